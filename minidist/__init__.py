@@ -1,0 +1,11 @@
+"""minidist: data parallelism from torch.distributed primitives, readable end to end.
+
+    import minidist
+    ctx = minidist.init_distributed()
+    model = minidist.DataParallel(net)
+"""
+
+from minidist.dist import DistContext, get_logger, init_distributed, is_main, print0, shutdown
+
+__all__ = ["DistContext", "init_distributed", "shutdown", "is_main", "print0", "get_logger"]
+__version__ = "0.1.0"

@@ -1,0 +1,276 @@
+"""The one module that calls torch.distributed collectives; everything else goes through it.
+
+Each wrapper mirrors torch.distributed's call (global ranks for src/dst) and takes
+`async_op`: synchronous calls return None, asynchronous ones a `Handle` whose
+`wait()` blocks until that one operation is done.
+
+Funnelling every call through here buys one thing: `CommTracer` sees all
+communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
+rank" are measured, not computed from formulas.
+
+    with CommTracer() as tracer:
+        loss.backward()
+    print(tracer.format_summary())
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+# torch 2.14 renamed the flat-tensor collectives and deprecated the old names;
+# use whichever this torch offers so neither old nor new releases warn.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+@dataclass
+class CommRecord:
+    """One communication call as the tracer saw it."""
+
+    op: str
+    bytes: int            # payload S of the call (see `ring_bytes_sent` for which tensor)
+    dtype: str
+    group_size: int
+    async_op: bool
+    issued: float         # perf_counter() when the call was made
+    completed: float | None = None  # when it returned (sync) or wait() returned (async)
+    sent_bytes: float = 0.0         # bytes this rank sends under the ring model
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.completed is None else self.completed - self.issued
+
+
+def ring_bytes_sent(op: str, nbytes: int, n: int, is_root: bool = False) -> float:
+    """Bytes one rank sends for `op` on `n` ranks under the ring model.
+
+    nbytes is S: the tensor for all_reduce / broadcast / reduce / send, the *total*
+    (gathered output or scattered input) for all_gather, reduce_scatter, gather, scatter.
+    """
+    if n <= 1 or op in ("barrier", "recv", "irecv", "all_gather_object"):
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    if op in ("broadcast", "reduce", "send", "isend"):
+        return float(nbytes)
+    if op == "scatter":  # the root sends every other rank its chunk
+        return (n - 1) / n * nbytes if is_root else 0.0
+    if op == "gather":   # every non-root sends its chunk to the root
+        return 0.0 if is_root else nbytes / n
+    raise ValueError(f"unknown op {op!r}")
+
+
+class CommTracer:
+    """Records every minidist.comm call made while it is active (a context manager).
+
+    Tracers nest: every active tracer records each call.
+    """
+
+    _active: list["CommTracer"] = []
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def __enter__(self) -> "CommTracer":
+        CommTracer._active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        CommTracer._active.remove(self)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per op: number of calls, payload bytes and ring-model bytes sent by this rank."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
+        for r in self.records:
+            row = out[r.op]
+            row["calls"] += 1
+            row["bytes"] += r.bytes
+            row["sent_bytes"] += r.sent_bytes
+        return dict(out)
+
+    def calls(self, op: str) -> list[CommRecord]:
+        return [r for r in self.records if r.op == op]
+
+    @property
+    def total_sent_bytes(self) -> float:
+        return sum(r.sent_bytes for r in self.records)
+
+    def format_summary(self) -> str:
+        lines = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'sent (ring)':>14}"]
+        for op, row in sorted(self.summary().items()):
+            lines.append(f"{op:<16}{row['calls']:>7}{row['bytes']:>14,}{row['sent_bytes']:>14,.0f}")
+        return "\n".join(lines)
+
+
+def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bool,
+            is_root: bool = False) -> CommRecord | None:
+    if not CommTracer._active:
+        return None
+    n = dist.get_world_size(group)
+    rec = CommRecord(op=op, bytes=int(nbytes), dtype=str(dtype).replace("torch.", "") if dtype else "-",
+                     group_size=n, async_op=async_op, issued=time.perf_counter(),
+                     sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root))
+    for tracer in CommTracer._active:
+        tracer.records.append(rec)
+    return rec
+
+
+class Handle:
+    """An in-flight operation. `wait()` blocks until it (and only it) is complete."""
+
+    def __init__(self, work, record: CommRecord | None):
+        self._work = work
+        self._record = record
+        self._done = False
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> None:
+        if not self._done:
+            if timeout is None:
+                self._work.wait()
+            else:
+                if not isinstance(timeout, datetime.timedelta):
+                    timeout = datetime.timedelta(seconds=timeout)
+                self._work.wait(timeout)
+            self._done = True
+            if self._record is not None and self._record.completed is None:
+                self._record.completed = time.perf_counter()
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._work.get_future()
+
+
+def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
+    if async_op:
+        return Handle(work, rec)
+    if rec is not None:
+        rec.completed = time.perf_counter()
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# --------------------------------------------------------------------------- point to point
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    rec = _record("send", _nbytes(tensor), tensor.dtype, group, False)
+    dist.send(tensor, dst=dst, group=group, tag=tag)
+    _finish(None, rec, False)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+    rec = _record("recv", _nbytes(tensor), tensor.dtype, group, False)
+    dist.recv(tensor, src=src, group=group, tag=tag)
+    _finish(None, rec, False)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Handle:
+    rec = _record("isend", _nbytes(tensor), tensor.dtype, group, True)
+    return Handle(dist.isend(tensor, dst=dst, group=group, tag=tag), rec)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> Handle:
+    rec = _record("irecv", _nbytes(tensor), tensor.dtype, group, True)
+    return Handle(dist.irecv(tensor, src=src, group=group, tag=tag), rec)
+
+
+# --------------------------------------------------------------------------- one to all / all to one
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
+    rec = _record("broadcast", _nbytes(tensor), tensor.dtype, group, async_op)
+    return _finish(dist.broadcast(tensor, src=src, group=group, async_op=async_op), rec, async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
+            group=None, async_op: bool = False) -> Handle | None:
+    n = dist.get_world_size(group)
+    is_root = dist.get_rank() == src
+    rec = _record("scatter", _nbytes(tensor) * n, tensor.dtype, group, async_op, is_root)
+    work = dist.scatter(tensor, scatter_list if is_root else None, src=src, group=group, async_op=async_op)
+    return _finish(work, rec, async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Handle | None:
+    rec = _record("reduce", _nbytes(tensor), tensor.dtype, group, async_op, dist.get_rank() == dst)
+    return _finish(dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op), rec, async_op)
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
+           group=None, async_op: bool = False) -> Handle | None:
+    n = dist.get_world_size(group)
+    is_root = dist.get_rank() == dst
+    rec = _record("gather", _nbytes(tensor) * n, tensor.dtype, group, async_op, is_root)
+    work = dist.gather(tensor, gather_list if is_root else None, dst=dst, group=group, async_op=async_op)
+    return _finish(work, rec, async_op)
+
+
+# --------------------------------------------------------------------------- all to all
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Handle | None:
+    rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op)
+    return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False) -> Handle | None:
+    """Gather `tensor` from every rank into `tensor_list` (one tensor per rank)."""
+    rec = _record("all_gather", sum(_nbytes(t) for t in tensor_list), tensor.dtype, group, async_op)
+    return _finish(dist.all_gather(tensor_list, tensor, group=group, async_op=async_op), rec, async_op)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
+                    async_op: bool = False) -> Handle | None:
+    """Gather every rank's `input` into the flat `output` (world_size * input.numel())."""
+    rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op)
+    return _finish(_all_gather_flat(output, input, group=group, async_op=async_op), rec, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=ReduceOp.SUM, group=None,
+                   async_op: bool = False) -> Handle | None:
+    """Rank r receives the reduction over ranks of input_list[r]."""
+    rec = _record("reduce_scatter", sum(_nbytes(t) for t in input_list), output.dtype, group, async_op)
+    return _finish(dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op), rec, async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False) -> Handle | None:
+    """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel())."""
+    rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op)
+    return _finish(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), rec, async_op)
+
+
+def barrier(group=None, async_op: bool = False) -> Handle | None:
+    rec = _record("barrier", 0, None, group, async_op)
+    return _finish(dist.barrier(group=group, async_op=async_op), rec, async_op)
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's picklable `obj`, in rank order (for small metadata and printing, not tensors)."""
+    rec = _record("all_gather_object", 0, None, None, False)
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    _finish(None, rec, False)
+    return out

@@ -1,0 +1,201 @@
+"""Process-group runtime: one call that works under torchrun, SLURM or a plain `python`.
+
+    ctx = minidist.init_distributed()      # reads the launcher's environment
+    print0(f"world size {ctx.world_size}") # prints on rank 0 only
+    minidist.shutdown()
+
+The environment parsing is a pure function (`detect_launch`) so tests can feed it
+fake torchrun / SLURM environments without starting anything.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as the launcher described it."""
+
+    launcher: str  # "torchrun", "slurm" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """The immutable result of `init_distributed`: who am I and where do I compute."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    launcher: str
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: "gpu[03-05,9],cpu1" -> "gpu03"."""
+    first = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not first:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = first.group(1), first.group(3)
+    if ranges is None:
+        return prefix
+    first_range = ranges.split(",")[0]
+    return prefix + first_range.split("-")[0]  # keeps zero padding: "03-05" -> "03"
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer; "
+                         "fix the launcher's environment") from None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Read torchrun's variables, else SLURM's, else describe a single process."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        return LaunchInfo(
+            launcher="torchrun",
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else _int(env, "RANK"),
+            local_world_size=local_world,
+            node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        nodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
+        local_world = (_int(env, "SLURM_NTASKS_PER_NODE") if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+                       else max(1, world // max(1, nodes)))
+        job_id = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        return LaunchInfo(
+            launcher="slurm",
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=world,
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_world_size=local_world,
+            node_rank=_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0,
+            master_addr=env.get("MASTER_ADDR", first_slurm_host(nodelist)),
+            # Every task of the job derives the same port; different jobs on a node rarely collide.
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + job_id % 20000,
+        )
+    return LaunchInfo("single", 0, 1, 0, 1, 0, "127.0.0.1", 0)
+
+
+def choose_backend(backend: str, local_world_size: int) -> str:
+    """"auto": nccl when every local rank can own a CUDA device, else gloo."""
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+_CONTEXT: DistContext | None = None
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
+    """Create the default process group from the launcher's environment and return the context.
+
+    Calling it again returns the same context. `timeout_s` bounds every collective:
+    a dead or missing peer raises instead of hanging forever.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    info = detect_launch()
+    backend = choose_backend(backend, info.local_world_size)
+    if backend == "nccl":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if info.launcher == "single":
+            # A one-member group needs no rendezvous: an in-memory store is enough.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", info.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(info.master_port))
+            dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                    world_size=info.world_size, timeout=timeout)
+    _CONTEXT = DistContext(
+        rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
+        local_world_size=info.local_world_size, node_rank=info.node_rank,
+        device=device, backend=backend, launcher=info.launcher,
+    )
+    return _CONTEXT
+
+
+def shutdown() -> None:
+    """Destroy the default process group (if any) and forget the context."""
+    global _CONTEXT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a process that never initialised distributed)."""
+    return get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """`print` on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+class _RankZeroFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_main()
+
+
+def get_logger(name: str = "minidist") -> logging.Logger:
+    """A logger whose console output comes from rank 0 only (other ranks stay silent)."""
+    logger = logging.getLogger(name)
+    if not any(getattr(h, "_minidist", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler._minidist = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%H:%M:%S"))
+        handler.addFilter(_RankZeroFilter())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger

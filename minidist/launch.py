@@ -1,0 +1,38 @@
+"""Start local ranks for a recipe run with plain `python`, using torch's elastic launcher.
+
+    if not minidist.launch.under_launcher():
+        minidist.launch.run_local(main_fn, nproc=4, args=(cfg_dict,))
+
+Under torchrun / SLURM the recipe calls its main function directly instead.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Callable
+
+from minidist.testing import free_port
+
+
+def under_launcher() -> bool:
+    """True when torchrun or SLURM already started this process as one rank of a job."""
+    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
+
+
+def run_local(fn: Callable, nproc: int, args: tuple = ()) -> dict:
+    """Run fn(*args) on `nproc` local ranks (torchrun's machinery, in-process); return rank -> result.
+
+    A rank that fails makes this raise torch's ChildFailedError with that rank's traceback.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return elastic_launch(config, entrypoint=fn)(*args)

@@ -1,0 +1,180 @@
+"""Run a function on N ranks (gloo, CPU) from one parent process — the multi-rank test harness.
+
+    pool = RankPool(world_size=3)
+    results = pool.run(my_module_level_fn, arg1, arg2, timeout_s=60)   # one result per rank
+    pool.close()
+
+Why a pool: on a 2-core machine, starting a Python process that imports torch
+costs seconds. The pool starts its ranks once, initialises the process group
+once, and then runs many test functions on them.
+
+Never hang, never flake:
+- every `run` has a deadline; past it (or when one rank fails and the others do
+  not finish shortly after, e.g. stuck in a collective waiting for the failed
+  rank) the whole pool is killed and the next `run` starts a fresh one;
+- a failure reports every failing rank's traceback;
+- ranks leave with os._exit, skipping interpreter teardown, where gloo may
+  otherwise abort ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 120.0
+# After one rank fails, how long the others get to finish before we assume they
+# are blocked on the failed rank and kill the pool.
+FAILURE_GRACE_S = 5.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """The ranks did not all finish before the deadline; the pool was killed."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import minidist
+
+        minidist.init_distributed(backend="gloo", timeout_s=60)
+        conn.send_bytes(pickle.dumps(("ready", None)))
+        while True:
+            task = pickle.loads(conn.recv_bytes())
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                reply = ("ok", fn(*args, **kwargs))
+                payload = pickle.dumps(reply)
+            except BaseException:  # noqa: BLE001 - report everything, including SystemExit
+                payload = pickle.dumps(("err", f"rank {rank}:\n{traceback.format_exc()}"))
+            conn.send_bytes(payload)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException:  # noqa: BLE001
+        try:
+            conn.send_bytes(pickle.dumps(("err", f"rank {rank} failed to start:\n{traceback.format_exc()}")))
+        except Exception:  # noqa: BLE001
+            pass
+    finally:
+        os._exit(0)
+
+
+class RankPool:
+    """`world_size` persistent rank processes sharing one gloo process group."""
+
+    def __init__(self, world_size: int, start_timeout_s: float = 120.0):
+        self.world_size = world_size
+        self.start_timeout_s = start_timeout_s
+        self._procs: list[mp.Process] = []
+        self._conns: list = []
+
+    # -- lifecycle
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, port, child), daemon=True)
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        replies = self._collect(time.monotonic() + self.start_timeout_s, "start-up")
+        if any(status != "ready" for status, _ in replies):
+            self.kill()
+            raise RankFailure("\n".join(str(v) for s, v in replies if s != "ready"))
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+        self.kill()
+
+    # -- running
+    def _collect(self, deadline: float, what: str) -> list[tuple[str, Any]]:
+        replies: dict[int, tuple[str, Any]] = {}
+        failed_at: float | None = None
+        while len(replies) < self.world_size:
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+            if now >= limit:
+                break
+            waiting = {self._conns[r]: r for r in range(self.world_size) if r not in replies}
+            for conn in mp.connection.wait(list(waiting), timeout=min(0.5, limit - now)):
+                rank = waiting[conn]
+                try:
+                    replies[rank] = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    replies[rank] = ("err", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                if replies[rank][0] == "err" and failed_at is None:
+                    failed_at = time.monotonic()
+            for r in range(self.world_size):  # a rank that died without a word
+                if r not in replies and not self._procs[r].is_alive() and not self._conns[r].poll():
+                    replies[r] = ("err", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                    failed_at = failed_at or time.monotonic()
+        if len(replies) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in replies]
+            errors = [v for s, v in replies.values() if s == "err"]
+            self.kill()
+            if errors:
+                raise RankFailure("\n".join(errors) + f"\n(ranks {missing} were still blocked; pool killed)")
+            raise RankTimeout(f"{what}: ranks {missing} of {self.world_size} did not finish in time; "
+                              "pool killed (a collective is probably waiting for a rank that never joins)")
+        return [replies[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> list[Any]:
+        """Run fn(*args, **kwargs) on every rank; return the per-rank results in rank order.
+
+        fn must be importable (module level) since it travels to the ranks by pickle.
+        """
+        if not self._procs:
+            self._start()
+        task = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(task)
+        replies = self._collect(time.monotonic() + timeout_s, getattr(fn, "__name__", "task"))
+        errors = [value for status, value in replies if status != "ok"]
+        if errors:
+            # A rank that raised may have left collectives half done: start fresh next time.
+            self.kill()
+            raise RankFailure("\n".join(errors))
+        return [value for _, value in replies]
