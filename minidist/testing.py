@@ -48,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
+def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0",
@@ -60,7 +60,7 @@ def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
         torch.set_num_threads(1)
         import minidist
 
-        minidist.init_distributed(backend="gloo", timeout_s=60)
+        minidist.init_distributed(backend=backend, timeout_s=60)
         conn.send_bytes(pickle.dumps(("ready", None)))
         while True:
             task = pickle.loads(conn.recv_bytes())
@@ -85,10 +85,11 @@ def _rank_main(rank: int, world_size: int, port: int, conn) -> None:
 
 
 class RankPool:
-    """`world_size` persistent rank processes sharing one gloo process group."""
+    """`world_size` persistent rank processes sharing one process group (gloo unless told otherwise)."""
 
-    def __init__(self, world_size: int, start_timeout_s: float = 120.0):
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0):
         self.world_size = world_size
+        self.backend = backend
         self.start_timeout_s = start_timeout_s
         self._procs: list[mp.Process] = []
         self._conns: list = []
@@ -99,7 +100,7 @@ class RankPool:
         port = free_port()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, self.world_size, port, self.backend, child), daemon=True)
             proc.start()
             child.close()
             self._procs.append(proc)
