@@ -267,10 +267,10 @@ def barrier(group=None, async_op: bool = False) -> Handle | None:
     return _finish(dist.barrier(group=group, async_op=async_op), rec, async_op)
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj, group=None) -> list:
     """Every rank's picklable `obj`, in rank order (for small metadata and printing, not tensors)."""
-    rec = _record("all_gather_object", 0, None, None, False)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    rec = _record("all_gather_object", 0, None, group, False)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     _finish(None, rec, False)
     return out

@@ -1,0 +1,128 @@
+"""Flat buffers and bucket plans: the memory layout gradient communication works on.
+
+One collective per tensor is slow (a fixed cost per call); one collective for
+the whole model cannot start until the last gradient exists. Buckets sit in
+between: gradients are packed, in the order backward produces them, into flat
+buffers of bounded size, and each buffer is reduced as soon as it is full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minidist import comm
+
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- flat buffers
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D copy of `tensors` (all of one dtype and device)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of `flat` back into `tensors`, in order."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def group_by_dtype_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split into lists of one dtype and device each (a flat buffer holds one of each), order kept."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group=None,
+                        chunk_bytes: int = 256 * MiB) -> None:
+    """Broadcast `tensors` from `src` in a few flat messages instead of one call per tensor."""
+    for same_kind in group_by_dtype_device(tensors):
+        for chunk in split_by_size(same_kind, chunk_bytes):
+            flat = flatten(chunk)
+            comm.broadcast(flat, src=src, group=group)
+            unflatten_into(flat, chunk)
+
+
+def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None):
+    """Consecutive runs of `tensors` of at most cap_bytes each (the first at most first_cap_bytes).
+
+    A tensor larger than the cap gets a run of its own.
+    """
+    runs, current, size = [], [], 0
+    cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > cap:
+            runs.append(current)
+            current, size, cap = [], 0, cap_bytes
+        current.append(t)
+        size += nbytes
+    if current:
+        runs.append(current)
+    return runs
+
+
+# --------------------------------------------------------------------------- bucket plans
+
+
+def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
+                 first_cap_bytes: int) -> list[list[int]]:
+    """Group parameter indices, taken in `order`, into buckets of one dtype/device.
+
+    The first bucket is capped at first_cap_bytes so the first all_reduce starts
+    early in backward; the rest at cap_bytes.
+    """
+    by_kind: dict[tuple, list[int]] = {}
+    for i in order:
+        by_kind.setdefault((params[i].dtype, params[i].device), []).append(i)
+    buckets: list[list[int]] = []
+    for indices in by_kind.values():
+        sized = [params[i] for i in indices]
+        first = min(first_cap_bytes, cap_bytes) if not buckets else cap_bytes
+        position = {id(p): i for p, i in zip(sized, indices)}
+        for run in split_by_size(sized, cap_bytes, first):
+            buckets.append([position[id(p)] for p in run])
+    return buckets
+
+
+@dataclass
+class Bucket:
+    """A flat buffer holding several parameters' gradients, and the bookkeeping of one backward.
+
+    `buffer` is what the comm hook reduces; `views[k]` is parameter `param_ids[k]`'s slice of it.
+    """
+
+    index: int
+    param_ids: list[int]
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    process_group: object = None
+    world_size: int = 1
+    pending: int = 0                     # parameters not yet ready in this backward
+    handle: object = field(default=None, repr=False)
+
+    @classmethod
+    def allocate(cls, index: int, param_ids: list[int], params: list[torch.Tensor],
+                 process_group, world_size: int) -> "Bucket":
+        first = params[param_ids[0]]
+        total = sum(params[i].numel() for i in param_ids)
+        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        views, offset = [], 0
+        for i in param_ids:
+            p = params[i]
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return cls(index, list(param_ids), buffer, views, process_group, world_size, pending=len(param_ids))
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()

@@ -1,0 +1,1 @@
+"""Training-side building blocks: models (and, later, the trainer loop, data and checkpoints)."""

@@ -1,0 +1,156 @@
+"""Training runs shared by the DataParallel tests: ours vs native DDP vs one process on the full batch.
+
+Every rank builds the same model (seed 0), then ranks > 0 perturb their copy so
+the wrappers' broadcast-from-rank-0 is exercised. Each step draws one global
+batch (seeded by the step); rank r trains on slice r of it, the single-process
+reference on all of it. Losses are means over equal-sized per-rank batches, so
+the average of per-rank gradients equals the full-batch gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minidist
+from minidist.train.models import GPT, MLP, ConvNet
+
+PER_RANK_BATCH = 4
+
+
+class MLPWithUnused(nn.Module):
+    """An MLP with a layer forward never touches."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = MLP((16, 32, 8))
+        self.unused = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def build(model: str) -> nn.Module:
+    torch.manual_seed(0)
+    if model == "mlp":
+        return MLP((16, 32, 32, 8))
+    if model == "gpt":
+        return GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    if model == "cnn":
+        return ConvNet(channels=3, classes=8, width=4)
+    if model == "unused":
+        return MLPWithUnused()
+    raise ValueError(model)
+
+
+def global_batch(model: str, step: int, micro: int, n: int):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    rows = n * PER_RANK_BATCH
+    if model == "gpt":
+        x = torch.randint(0, 64, (rows, 16), generator=g)
+        return x, torch.roll(x, -1, dims=1)
+    if model == "cnn":
+        return torch.randn(rows, 3, 8, 8, generator=g), torch.randint(0, 8, (rows,), generator=g)
+    return torch.randn(rows, 16, generator=g), torch.randint(0, 8, (rows,), generator=g)
+
+
+def loss_fn(model: str, out, y):
+    return GPT.loss(out, y) if model == "gpt" else F.cross_entropy(out, y)
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if name == "adamw":
+        # eps=1e-6, not 1e-8: at step 1 Adam's update is g/(|g|+eps), so with a tiny eps a
+        # near-zero gradient's rounding noise becomes a full +-lr step. With eps=1e-8 native
+        # DDP itself ends ~1e-4 (relative) away from the single process on the GPT case.
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, eps=1e-6)
+    raise ValueError(name)
+
+
+def train(wrapper, inner: nn.Module, model: str, optim: str, steps: int, accumulate: int,
+          rank: int | None, n: int, no_sync=None):
+    """Train `wrapper` (whose parameters live in `inner`). rank=None: the full batch, one process."""
+    opt = make_optimizer(optim, inner.parameters())
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = global_batch(model, step, micro, n)
+            if rank is not None:
+                x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
+            last = micro == accumulate - 1
+            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+            with ctx:
+                (loss_fn(model, wrapper(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+
+
+def perturbed(base: nn.Module, rank: int) -> nn.Module:
+    m = copy.deepcopy(base)
+    if rank > 0:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Worst |a - b| / (|b| + scale) over floating tensors, scale = the largest |b| in the model.
+
+    So "within r" means |a - b| <= r * (|b| + scale) element-wise: relative for large
+    elements, with an absolute floor for elements near zero (zero-initialised biases
+    after a few small steps), whose plain relative error says nothing about the model.
+    """
+    floats = [k for k in b if b[k].is_floating_point()]
+    scale = max(b[k].double().abs().max().item() for k in floats)
+    worst, where = 0.0, ""
+    for k in floats:
+        ratio = ((a[k].double() - b[k].double()).abs() / (b[k].double().abs() + scale)).max().item()
+        if ratio > worst:
+            worst, where = ratio, k
+    return worst, where
+
+
+def compare_with_native(model="mlp", optim="sgd", steps=10, accumulate=1, bucket_cap_mb=25.0,
+                        gradient_as_bucket_view=False, find_unused=False, single=True,
+                        comm_hook=None):
+    """One rank's part: returns how far ours is from native DDP and from the single process."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build(model)
+
+    native_inner = perturbed(base, rank)
+    native = DDP(native_inner, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view,
+                 find_unused_parameters=find_unused)
+    native_sd = train(native, native_inner, model, optim, steps, accumulate, rank, n, native.no_sync)
+
+    ours_inner = perturbed(base, rank)
+    ours = minidist.DataParallel(ours_inner, bucket_cap_mb=bucket_cap_mb,
+                                 gradient_as_bucket_view=gradient_as_bucket_view,
+                                 find_unused_parameters=find_unused, comm_hook=comm_hook)
+    ours_sd = train(ours, ours_inner, model, optim, steps, accumulate, rank, n, ours.no_sync)
+
+    result = {
+        "bitwise_native": all(torch.equal(ours_sd[k], native_sd[k]) for k in native_sd),
+        "rel_native": max_rel_diff(ours_sd, native_sd),
+        "buckets": len(ours._buckets),
+    }
+    if single:
+        ref_inner = copy.deepcopy(base)
+        ref_sd = train(ref_inner, ref_inner, model, optim, steps, accumulate, None, n)
+        result["rel_single"] = max_rel_diff(ours_sd, ref_sd)
+    # every rank must hold the same parameters
+    # every rank must hold the same parameters (buffers such as BatchNorm statistics are
+    # only re-synchronised at the next forward, as in native DDP)
+    params = {k: v for k, v in ours_sd.items() if k in dict(ours_inner.named_parameters())}
+    everyone = minidist.comm.all_gather_object(params)
+    result["ranks_agree"] = all(torch.equal(everyone[0][k], sd[k]) for sd in everyone for k in sd)
+    return result
