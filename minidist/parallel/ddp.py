@@ -30,7 +30,6 @@ so no kernel reads a bucket before its reduction is done.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Callable
 
 import torch
@@ -40,6 +39,7 @@ from torch import nn
 from minidist import comm
 from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
+from minidist.parallel.bucketed_backward import BucketedBackward
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
 
 
@@ -67,7 +67,7 @@ def _describe(entry) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} shape {list(entry[1])} {entry[2]}"
 
 
-class DataParallel(nn.Module):
+class DataParallel(BucketedBackward, nn.Module):
     """Data-parallel wrapper: replicas stay identical because every step averages gradients.
 
     Args:
@@ -102,9 +102,7 @@ class DataParallel(nn.Module):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-        self.overlap = overlap
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers
         if isinstance(comm_hook, str):
             if comm_hook not in BUILTIN_HOOKS:
@@ -126,22 +124,16 @@ class DataParallel(nn.Module):
                                 src=self.source_rank, group=process_group)
 
         self._build_buckets(list(reversed(range(len(self._params)))))
-        self._buckets_rebuilt = False  # after the first synced backward, rebuild in ready order
-        self._sync_enabled = True
-        self._in_backward = False
-        self._ready = [False] * len(self._params)
-        self._used = [False] * len(self._params)
-        self._ready_order: list[int] = []
-        self._next_bucket = 0
-        self.last_wait_s = 0.0  # time the last backward spent waiting for communication
-        for i, p in enumerate(self._params):
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        # Record the order gradients arrive in during the first synced backward, then rebuild.
+        self._init_bucketed_backward(self._names, self._params, overlap=overlap,
+                                     find_unused_parameters=find_unused_parameters,
+                                     world_size=self.world_size, process_group=process_group,
+                                     record_ready_order=True)
 
     # ----------------------------------------------------------------------- buckets
 
     def _build_buckets(self, order: list[int]) -> None:
         plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes)
-        old = getattr(self, "_buckets", None)
         self._buckets = [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
                          for k, ids in enumerate(plan)]
         self._where = {}  # parameter index -> (bucket, position in bucket)
@@ -156,14 +148,13 @@ class DataParallel(nn.Module):
                     if p.grad is not None:
                         bucket.views[k].copy_(p.grad)
                         p.grad = bucket.views[k]
-        del old
 
     @property
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         return [[self._names[i] for i in b.param_ids] for b in self._buckets]
 
-    def _rebuild_buckets_in_ready_order(self) -> None:
+    def _on_first_backward_done(self) -> None:
         # Each rank saw its own ready order; rank 0's wins so all ranks build the same buckets.
         order = torch.tensor(self._ready_order, dtype=torch.int64)
         if self.world_size > 1:
@@ -173,108 +164,37 @@ class DataParallel(nn.Module):
         if plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes) != \
                 [b.param_ids for b in self._buckets]:
             self._build_buckets(order)
-        self._buckets_rebuilt = True
 
     # ----------------------------------------------------------------------- backward
 
-    def _make_hook(self, i: int):
-        def hook(param: torch.Tensor) -> None:
-            if not self._sync_enabled:
-                return  # no_sync: gradients just accumulate in .grad
-            if not self._in_backward:
-                self._start_backward()
-            self._used[i] = True
-            self._mark_ready(i)
-        return hook
-
-    def _start_backward(self) -> None:
-        self._in_backward = True
-        self._ready = [False] * len(self._params)
-        self._used = [False] * len(self._params)
-        self._ready_order = []
-        self._next_bucket = 0
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.param_ids)
-            bucket.handle = None
-        # Runs once, when the autograd engine has finished this whole backward pass.
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _mark_ready(self, i: int) -> None:
-        if self._ready[i]:
-            raise RuntimeError(f"DataParallel: parameter {self._names[i]!r} produced a gradient twice in one "
-                               "backward (reentrant backward or a second backward before the first finished)")
-        self._ready[i] = True
-        if not self._buckets_rebuilt:
-            self._ready_order.append(i)
-        bucket, k = self._where[i]
+    def _fill_slot(self, i: int, bucket: Bucket, k: int) -> None:
         view, grad = bucket.views[k], self._params[i].grad
-        with torch.no_grad():
-            if grad is None:
-                view.zero_()
-            elif self.gradient_as_bucket_view:
-                if grad.data_ptr() != view.data_ptr():
-                    view.copy_(grad)          # e.g. after zero_grad(set_to_none=True)
-                    self._params[i].grad = view
-                view.mul_(1.0 / self.world_size)
-            else:
-                torch.mul(grad, 1.0 / self.world_size, out=view)
-        bucket.pending -= 1
-        if bucket.pending == 0 and self.overlap:
-            self._launch_full_buckets()
+        if grad is None:
+            view.zero_()
+        elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
+            view.mul_(1.0 / self.world_size)  # backward accumulated straight into the bucket
+        else:
+            # Scale while copying: one pass over the gradient, not two. (Multiplying by 1/n,
+            # as native DDP does, keeps results bitwise comparable with it.)
+            torch.mul(grad, 1.0 / self.world_size, out=view)
+            if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
+                self._params[i].grad = view
 
-    def _launch_full_buckets(self) -> None:
-        # Strictly in index order: bucket k+1 never goes before bucket k, on any rank.
-        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
-            bucket = self._buckets[self._next_bucket]
-            bucket.handle = self.comm_hook(bucket)
-            self._next_bucket += 1
+    def _launch(self, bucket: Bucket):
+        return self.comm_hook(bucket)
 
-    def _finish_backward(self) -> None:
-        try:
-            missing = [i for i, ready in enumerate(self._ready) if not ready]
-            if missing and not self.find_unused_parameters:
-                for bucket in self._buckets[:self._next_bucket]:
-                    bucket.handle.wait()  # leave no collective half done before raising
-                names = ", ".join(self._names[i] for i in missing)
-                raise RuntimeError(
-                    f"DataParallel: these parameters received no gradient in this backward: {names}. "
-                    "Either use them in forward's output, set requires_grad=False on them, or wrap with "
-                    "DataParallel(..., find_unused_parameters=True).")
-            for i in missing:
-                # Locally unused: contribute zeros (or gradients accumulated under no_sync).
-                self._used[i] = self._params[i].grad is not None
-                self._mark_ready(i)
-            self._launch_full_buckets()  # everything left (all buckets when overlap=False)
-            used_anywhere = None
-            if self.find_unused_parameters and self.world_size > 1:
-                used = torch.tensor(self._used, dtype=torch.int32, device=self._buckets[0].buffer.device)
-                comm.all_reduce(used, group=self.process_group)
-                used_anywhere = used.bool().tolist()
-            elif self.find_unused_parameters:
-                used_anywhere = list(self._used)
-            start = time.perf_counter()
-            for bucket in self._buckets:
-                bucket.handle.wait()
-            self.last_wait_s = time.perf_counter() - start
-            self._write_back(used_anywhere)
-        finally:
-            self._in_backward = False
-        if not self._buckets_rebuilt:
-            self._rebuild_buckets_in_ready_order()
-
-    def _write_back(self, used_anywhere: list[bool] | None) -> None:
-        with torch.no_grad():
-            for bucket in self._buckets:
-                for k, i in enumerate(bucket.param_ids):
-                    if used_anywhere is not None and not used_anywhere[i]:
-                        continue  # no rank produced a gradient: leave .grad as it was (None stays None)
-                    p, view = self._params[i], bucket.views[k]
-                    if self.gradient_as_bucket_view:
-                        p.grad = view
-                    elif p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+    def _after_backward(self, used_anywhere: list[bool] | None) -> None:
+        for bucket in self._buckets:
+            for k, i in enumerate(bucket.param_ids):
+                if used_anywhere is not None and not used_anywhere[i]:
+                    continue  # no rank produced a gradient: leave .grad as it was (None stays None)
+                p, view = self._params[i], bucket.views[k]
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     # ----------------------------------------------------------------------- API
 

@@ -1,0 +1,148 @@
+"""The backward-pass machinery DataParallel and ShardedDataParallel (stages 1-2) share.
+
+    hook per parameter --> its gradient goes into its bucket slot (fill_slot)
+    bucket complete    --> launched, strictly in bucket order (launch -> handle)
+    backward finished  --> autograd-engine callback: launch what is left, wait for
+                           every bucket, hand the results over (after_backward)
+
+A subclass says *what* happens to a bucket (all_reduce, reduce_scatter, ...) by
+implementing `_fill_slot`, `_launch` and `_after_backward`; this class decides
+*when*. Launching in bucket order on every rank is what keeps collectives lined up
+across ranks even when gradients become ready in a different order on each.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minidist import comm
+from minidist.buckets import Bucket
+
+
+class BucketedBackward:
+    """Mixin: call `_init_bucketed_backward` once the buckets exist; implement the three hooks."""
+
+    def _init_bucketed_backward(self, names: list[str], params: list[torch.Tensor], *, overlap: bool,
+                                find_unused_parameters: bool, world_size: int, process_group,
+                                record_ready_order: bool = False) -> None:
+        self._names, self._params = names, params
+        self.overlap = overlap
+        self.find_unused_parameters = find_unused_parameters
+        self.world_size, self.process_group = world_size, process_group
+        self._record_ready_order = record_ready_order
+        self._sync_enabled = True
+        self._in_backward = False
+        self._ready = [False] * len(params)
+        self._used = [False] * len(params)
+        self._ready_order: list[int] = []
+        self._next_bucket = 0
+        self.last_wait_s = 0.0  # how long the last backward waited for communication at its end
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    # -- what a subclass provides -------------------------------------------------
+    _buckets: list[Bucket]
+    _where: dict[int, tuple[Bucket, int]]  # parameter index -> (bucket, slot)
+
+    def _fill_slot(self, i: int, bucket: Bucket, k: int) -> None:
+        """Put parameter i's gradient (None: it had none) into slot k of `bucket`."""
+        raise NotImplementedError
+
+    def _launch(self, bucket: Bucket):
+        """Start reducing a complete bucket; return an object with wait()."""
+        raise NotImplementedError
+
+    def _after_backward(self, used_anywhere: list[bool] | None) -> None:
+        """Every bucket is reduced: hand the results to .grad / the optimizer's shards."""
+        raise NotImplementedError
+
+    def _on_first_backward_done(self) -> None:
+        """Called once, after the first synced backward (DataParallel rebuilds its buckets)."""
+
+    # -- the machinery -------------------------------------------------------------
+    def _make_hook(self, i: int):
+        def hook(param: torch.Tensor) -> None:
+            if not self._sync_enabled:
+                return  # no_sync: gradients just accumulate in .grad
+            if not self._in_backward:
+                self._start_backward()
+            self._used[i] = True
+            self._mark_ready(i)
+        return hook
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        self._ready = [False] * len(self._params)
+        self._used = [False] * len(self._params)
+        self._ready_order = []
+        self._next_bucket = 0
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.param_ids)
+            bucket.handle = None
+        self._before_backward()
+        # Runs once, when the autograd engine has finished this whole backward pass.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _before_backward(self) -> None:
+        """Subclass hook: the first gradient of a synced backward has just arrived."""
+
+    def _mark_ready(self, i: int) -> None:
+        if self._ready[i]:
+            raise RuntimeError(f"{type(self).__name__}: parameter {self._names[i]!r} produced a gradient twice "
+                               "in one backward (reentrant backward, or a second backward before the first ended)")
+        self._ready[i] = True
+        if self._record_ready_order:
+            self._ready_order.append(i)
+        bucket, k = self._where[i]
+        with torch.no_grad():
+            self._fill_slot(i, bucket, k)
+        bucket.pending -= 1
+        if bucket.pending == 0 and self.overlap:
+            self._launch_complete_buckets()
+
+    def _launch_complete_buckets(self) -> None:
+        # Strictly in index order: bucket k+1 never goes before bucket k, on any rank.
+        while self._next_bucket < len(self._buckets) and self._buckets[self._next_bucket].pending == 0:
+            bucket = self._buckets[self._next_bucket]
+            bucket.handle = self._launch(bucket)
+            self._next_bucket += 1
+
+    def _finish_backward(self) -> None:
+        try:
+            missing = [i for i, ready in enumerate(self._ready) if not ready]
+            if missing and not self.find_unused_parameters:
+                for bucket in self._buckets[:self._next_bucket]:
+                    bucket.handle.wait()  # leave no collective half done before raising
+                names = ", ".join(self._names[i] for i in missing)
+                raise RuntimeError(
+                    f"{type(self).__name__}: these parameters received no gradient in this backward: {names}. "
+                    "Either use them in forward's output, set requires_grad=False on them, or pass "
+                    "find_unused_parameters=True.")
+            for i in missing:
+                # Unused here: contribute zeros (or what accumulated under no_sync).
+                self._used[i] = self._params[i].grad is not None
+                self._mark_ready(i)
+            self._launch_complete_buckets()  # whatever is left (every bucket when overlap=False)
+            used_anywhere = self._used_anywhere() if self.find_unused_parameters else None
+            start = time.perf_counter()
+            with torch.no_grad():
+                for bucket in self._buckets:
+                    bucket.handle.wait()
+                self.last_wait_s = time.perf_counter() - start
+                self._after_backward(used_anywhere)
+        finally:
+            self._in_backward = False
+        if self._record_ready_order:
+            self._record_ready_order = False
+            self._on_first_backward_done()
+
+    def _used_anywhere(self) -> list[bool]:
+        """Which parameters got a gradient on at least one rank (one small all_reduce)."""
+        if self.world_size == 1:
+            return list(self._used)
+        device = self._buckets[0].buffer.device if self._buckets else torch.device("cpu")
+        used = torch.tensor(self._used, dtype=torch.int32, device=device)
+        comm.all_reduce(used, group=self.process_group)
+        return used.bool().tolist()
