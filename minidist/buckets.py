@@ -52,6 +52,40 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, group=None,
             unflatten_into(flat, chunk)
 
 
+class FlatBuffers:
+    """Module buffers (e.g. BatchNorm statistics) re-pointed into one flat tensor per dtype/device.
+
+    Broadcasting them before every forward is then one message per dtype and no copies:
+    layers update their buffers in place, i.e. straight inside the flat tensor. A buffer
+    replaced by assignment is noticed and everything is laid out again.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self._layout()
+
+    def _layout(self) -> None:
+        self.buffers = [b for b in self.module.buffers()]
+        self.flats = []
+        with torch.no_grad():
+            for group in group_by_dtype_device(self.buffers):
+                flat = flatten(group)
+                offset = 0
+                for b in group:
+                    b.data = flat[offset:offset + b.numel()].view_as(b)
+                    offset += b.numel()
+                self.flats.append(flat)
+        self._ptrs = [b.data_ptr() for b in self.buffers]
+
+    def broadcast(self, src: int, group=None) -> None:
+        current = list(self.module.buffers())
+        if len(current) != len(self.buffers) or any(
+                b is not old or b.data_ptr() != ptr for b, old, ptr in zip(current, self.buffers, self._ptrs)):
+            self._layout()
+        for flat in self.flats:
+            comm.broadcast(flat, src=src, group=group)
+
+
 def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None):
     """Consecutive runs of `tensors` of at most cap_bytes each (the first at most first_cap_bytes).
 
@@ -78,19 +112,32 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
                  first_cap_bytes: int) -> list[list[int]]:
     """Group parameter indices, taken in `order`, into buckets of one dtype/device.
 
-    The first bucket is capped at first_cap_bytes so the first all_reduce starts
-    early in backward; the rest at cap_bytes.
+    Every bucket holds at most cap_bytes (a larger tensor gets a bucket of its own).
+    Two ends are kept small, at most first_cap_bytes:
+    - the first bucket, so the first all_reduce starts early in backward;
+    - the last bucket, because nothing is left to overlap it with: it holds the
+      gradients that arrive last, and backward waits for all of it to be reduced.
     """
+    small = min(first_cap_bytes, cap_bytes)
     by_kind: dict[tuple, list[int]] = {}
     for i in order:
         by_kind.setdefault((params[i].dtype, params[i].device), []).append(i)
+    kinds = list(by_kind.values())
     buckets: list[list[int]] = []
-    for indices in by_kind.values():
+    for n, indices in enumerate(kinds):
+        tail: list[int] = []
+        if n == len(kinds) - 1 and len(indices) > 1:
+            # Fill the last bucket backwards from the last-ready gradient, up to the small cap.
+            rest = split_by_size([params[i] for i in reversed(indices)], small)[0]
+            if len(rest) < len(indices):
+                tail = indices[len(indices) - len(rest):]
+                indices = indices[:len(indices) - len(rest)]
         sized = [params[i] for i in indices]
-        first = min(first_cap_bytes, cap_bytes) if not buckets else cap_bytes
         position = {id(p): i for p, i in zip(sized, indices)}
-        for run in split_by_size(sized, cap_bytes, first):
-            buckets.append([position[id(p)] for p in run])
+        runs = split_by_size(sized, cap_bytes, small if not buckets else cap_bytes)
+        buckets.extend([position[id(p)] for p in run] for run in runs)
+        if tail:
+            buckets.append(tail)
     return buckets
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
+from minidist.buckets import MiB, Bucket, FlatBuffers, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
@@ -118,10 +118,10 @@ class DataParallel(BucketedBackward, nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._module_buffers = list(module.buffers())
         with torch.no_grad():
-            broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in self._module_buffers],
+            broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
                                 src=self.source_rank, group=process_group)
+        self._flat_buffers = FlatBuffers(module) if broadcast_buffers and self.world_size > 1 else None
 
         self._build_buckets(list(reversed(range(len(self._params)))))
         # Record the order gradients arrive in during the first synced backward, then rebuild.
@@ -199,10 +199,8 @@ class DataParallel(BucketedBackward, nn.Module):
     # ----------------------------------------------------------------------- API
 
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and self.world_size > 1 and self._module_buffers and torch.is_grad_enabled():
-            with torch.no_grad():
-                broadcast_coalesced([b.data for b in self._module_buffers], src=self.source_rank,
-                                    group=self.process_group)
+        if self._flat_buffers is not None and torch.is_grad_enabled():
+            self._flat_buffers.broadcast(src=self.source_rank, group=self.process_group)
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
