@@ -6,7 +6,7 @@
 """
 
 from minidist.dist import DistContext, get_logger, init_distributed, is_main, print0, shutdown
-from minidist.parallel import DataParallel
+from minidist.parallel import DataParallel, ShardedDataParallel
 
-__all__ = ["DataParallel", "DistContext", "init_distributed", "shutdown", "is_main", "print0", "get_logger"]
+__all__ = ["DataParallel", "ShardedDataParallel", "DistContext", "init_distributed", "shutdown", "is_main", "print0", "get_logger"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
-"""Data-parallel strategies: DataParallel (DDP) from scratch, and comm hooks."""
+"""Data-parallel strategies: DataParallel (DDP) and ShardedDataParallel (ZeRO 1/2/3), from scratch."""
 
 from minidist.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from minidist.parallel.ddp import DataParallel
+from minidist.parallel.zero import ShardedDataParallel
 
-__all__ = ["DataParallel", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+__all__ = ["DataParallel", "ShardedDataParallel", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]

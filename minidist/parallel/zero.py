@@ -1,0 +1,363 @@
+"""minidist.ShardedDataParallel: ZeRO stages 1, 2 and 3 from reduce_scatter / all_gather.
+
+    model = ShardedDataParallel(net, partial(torch.optim.AdamW, lr=3e-4), stage=2)
+    loss_fn(model(x), y).backward()
+    model.clip_grad_norm_(1.0)
+    model.optimizer.step(); model.optimizer.zero_grad()
+
+What each rank stores (Psi parameters, N ranks, fp32, Adam):
+
+    stage 1  full parameters, full gradients,  1/N of the optimizer state    8 Psi + 8 Psi/N bytes
+    stage 2  full parameters, 1/N gradients,   1/N of the optimizer state    4 Psi + 12 Psi/N
+    stage 3  1/N parameters,  1/N gradients,   1/N of the optimizer state    16 Psi/N (+ live units)
+
+Parameters are grouped into FlatShards (flat buffers padded to a multiple of N);
+rank r owns slice r of each. The optimizer is a real torch optimizer over the
+owned fp32 slices ("master shards"). Gradients reach it by reduce_scatter: rank r
+receives the average of slice r. After `optimizer.step()` the updated slices are
+all_gathered back into the full parameters (stages 1-2) or gathered on demand
+before each unit's forward and backward (stage 3, see zero3.py).
+
+This file holds what all stages share (the optimizer, clipping, checkpoints,
+memory) and stages 1-2, which reuse DataParallel's backward machinery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minidist import comm
+from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
+from minidist.memory import measure, optimizer_tensors
+from minidist.parallel.bucketed_backward import BucketedBackward
+from minidist.parallel.ddp import check_same_parameters
+from minidist.parallel.flat_shard import FlatShard
+
+CHECKPOINT_FORMAT = "minidist.sharded.v1"
+
+
+class ShardedDataParallel(nn.Module):
+    """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
+
+    Args:
+        module: the model, the same on every rank.
+        optimizer_factory: called with the list of this rank's master shards, e.g.
+            `functools.partial(torch.optim.AdamW, lr=3e-4)`. Any element-wise optimizer works.
+        stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
+        bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size).
+        overlap: stage 2: reduce_scatter buckets during backward as they fill.
+        param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
+        reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
+        unit_policy, min_unit_params: stage 3 only, see zero3.py.
+        process_group: the group to shard over (default: the world).
+    """
+
+    def __new__(cls, *args, stage: int = 2, **kwargs):
+        if cls is ShardedDataParallel:
+            if stage not in (1, 2, 3):
+                raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+            if stage == 3:
+                from minidist.parallel.zero3 import ZeroStage3
+                cls = ZeroStage3
+            else:
+                cls = ZeroStage12
+        return super().__new__(cls)
+
+    # ------------------------------------------------------------------ shared set-up
+
+    def _setup_common(self, module: nn.Module, optimizer_factory: Callable, stage: int, process_group,
+                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> list:
+        if not dist.is_initialized():
+            raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
+        if not callable(optimizer_factory):
+            raise TypeError("optimizer_factory must be callable with a list of parameters, e.g. "
+                            "functools.partial(torch.optim.AdamW, lr=3e-4)")
+        self.module = module
+        self.stage = stage
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
+        check_same_parameters(module, process_group)
+        with torch.no_grad():
+            broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
+                                src=self.source_rank, group=process_group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ShardedDataParallel: the model has no trainable parameters")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        return named
+
+    def _make_optimizer(self, optimizer_factory: Callable) -> None:
+        self.optimizer = optimizer_factory([s.master for s in self._shards])
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer_factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+
+    def _after_optimizer_step(self) -> None:
+        """Stages 1-2 gather the updated shards into the full parameters; stage 3 does it lazily."""
+
+    def _cast_inputs(self, args, kwargs):
+        if self.param_dtype is None:
+            return args, kwargs
+        cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    # ------------------------------------------------------------------ public API
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by the global norm over all shards (as if unsharded); return that norm."""
+        grads = [s.master.grad for s in self._shards if s.master.grad is not None]
+        device = self._shards[0].device
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+            total = local.float().reshape(1)
+            comm.all_reduce(total, op=comm.ReduceOp.MAX, group=self.process_group)
+        else:
+            # Padding holds zero gradient, so summing whole shards adds nothing spurious.
+            local = sum((g.float().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            total = local.reshape(1)
+            comm.all_reduce(total, group=self.process_group)
+            total = total.pow(1.0 / norm_type)
+        total = total.reshape(())
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # the formula torch.nn.utils uses
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate full gradients locally; the next synced one reduces the sum."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """The complete, unsharded state_dict of the wrapped module (same keys), fp32 parameters.
+
+        A collective: every rank must call it. With rank0_only, other ranks get {}.
+        """
+        values: dict[int, torch.Tensor] = {}  # id(parameter) -> gathered value
+        for shard in self._shards:
+            flat = shard.full_fp32()
+            for slot, p in zip(shard.slots, shard.params):
+                values[id(p)] = flat[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+        if rank0_only and self.rank != 0:
+            return {}
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = values[id(value)] if id(value) in values else value.detach().clone()
+        return out
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards of the parameters and optimizer state, per parameter, with metadata.
+
+        Each entry is (start offset within the flattened parameter, values), so shards
+        saved at one world size load at any other (see load_sharded_state_dict).
+        """
+        opt_state = self.optimizer.state_dict()
+        params: dict[str, list] = {}
+        optim: dict[str, dict[str, list]] = {}
+        scalars: dict[int, dict] = {}
+        for k, shard in enumerate(self._shards):
+            for name, piece in shard.owned_pieces(shard.master).items():
+                params.setdefault(name, []).append(piece)
+            state = opt_state["state"].get(k, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == shard.master.shape:
+                    for name, piece in shard.owned_pieces(value).items():
+                        optim.setdefault(key, {}).setdefault(name, []).append(piece)
+                else:
+                    scalars.setdefault(k, {})[key] = value.clone() if torch.is_tensor(value) else value
+        shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
+        return {
+            "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
+            "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
+            "param_groups": opt_state["param_groups"],
+            "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
+                           if not any(v is p for p in self._params)},
+        }
+
+    def load_sharded_state_dict(self, state: dict | list[dict]) -> None:
+        """Load what sharded_state_dict saved. Pass every saved rank's dict (a list) to load at a
+        different world size; a single dict suffices when reloading at the same world size and rank."""
+        states = state if isinstance(state, list) else [state]
+        for s in states:
+            if s.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"not a minidist sharded checkpoint (format {s.get('format')!r}, "
+                                 f"expected {CHECKPOINT_FORMAT!r})")
+        mine = {slot.name: slot.shape for s in self._shards for slot in s.slots}
+        saved_shapes = states[0]["shapes"]
+        if {k: tuple(v) for k, v in saved_shapes.items()} != mine:
+            missing = sorted(set(mine) - set(saved_shapes))
+            extra = sorted(set(saved_shapes) - set(mine))
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
+                             f"{extra[:5]} (or shapes differ)")
+        merge = lambda key: {n: [p for s in states for p in s[key].get(n, [])] for n in mine}  # noqa: E731
+        params = merge("params")
+        for shard in self._shards:
+            shard.fill_from_pieces(shard.master.data, params)
+        # Optimizer: rebuild its state_dict for this layout, then let torch load it.
+        opt_sd = {"state": {}, "param_groups": states[0]["param_groups"]}
+        for key in states[0]["optim"]:
+            pieces = {n: [p for s in states for p in s["optim"][key].get(n, [])] for n in mine}
+            for k, shard in enumerate(self._shards):
+                t = torch.zeros_like(shard.master.data, dtype=torch.float32)
+                shard.fill_from_pieces(t, pieces)
+                opt_sd["state"].setdefault(k, {})[key] = t
+        for k in range(len(self._shards)):
+            for key, value in states[0]["optim_scalars"].get(k, states[0]["optim_scalars"].get(str(k), {})).items():
+                opt_sd["state"].setdefault(k, {})[key] = value
+        self.optimizer.load_state_dict(opt_sd)
+        with torch.no_grad():
+            own = self.module.state_dict(keep_vars=True)
+            for key, value in states[0]["replicated"].items():
+                own[key].copy_(value)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        self._after_optimizer_step()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes on this rank, measured from live storages (a storage is counted once)."""
+        return measure({
+            "parameters": [s.full for s in self._shards],
+            "master_params": [s.master for s in self._shards],
+            "gradients": self._gradient_tensors(),
+            "optimizer_state": optimizer_tensors(self.optimizer),
+            "comm_buffers": self._comm_buffer_tensors(),
+            "replicated": [v for v in self.module.state_dict(keep_vars=True).values()
+                           if not any(v is p for p in self._params)],
+        })
+
+    def _gradient_tensors(self) -> list[torch.Tensor]:
+        return [s.master.grad for s in self._shards if s.master.grad is not None]
+
+    def _comm_buffer_tensors(self) -> list[torch.Tensor]:
+        return []
+
+
+class ZeroStage12(BucketedBackward, ShardedDataParallel):
+    """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
+
+    def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
+                 bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, **unused):
+        nn.Module.__init__(self)
+        if unused:
+            raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
+        cap = int(bucket_cap_mb * MiB)
+        plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
+        self._shards, self._buckets, self._where = [], [], {}
+        for k, ids in enumerate(plan):
+            shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
+                              rank=self.rank, world_size=self.world_size, group=process_group,
+                              compute_dtype=param_dtype, keep_full=True)
+            bucket = Bucket(k, list(ids), buffer=None, views=[], process_group=process_group,
+                            world_size=self.world_size)
+            bucket.shard = shard
+            self._shards.append(shard)
+            self._buckets.append(bucket)
+            for slot, i in enumerate(ids):
+                self._where[i] = (bucket, slot)
+            if stage == 1:
+                self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
+        self._stash: dict[int, torch.Tensor] = {}
+        self._make_optimizer(optimizer_factory)
+        # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
+        # Unused parameters contribute zero gradient (a flat shard cannot hold "no gradient").
+        self._init_bucketed_backward(self._names, self._params, overlap=(stage == 2 and overlap),
+                                     find_unused_parameters=True, world_size=self.world_size,
+                                     process_group=process_group)
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self._cast_inputs(args, kwargs)
+        return self.module(*args, **kwargs)
+
+    # -- gradient buffers
+    def _allocate(self, bucket: Bucket) -> None:
+        shard = bucket.shard
+        bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+        bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
+
+    def _release(self, bucket: Bucket) -> None:
+        bucket.buffer, bucket.views = None, []
+
+    # -- BucketedBackward hooks
+    def _before_backward(self) -> None:
+        if self.stage == 1:
+            # The reduced gradient of stage 1 is a view into the bucket, which this backward
+            # overwrites: keep a copy if the user is accumulating across optimizer steps.
+            for k, shard in enumerate(self._shards):
+                if shard.master.grad is not None:
+                    self._stash[k] = shard.master.grad.clone()
+                    shard.master.grad = None
+
+    def _fill_slot(self, i: int, bucket: Bucket, k: int) -> None:
+        if bucket.buffer is None:
+            self._allocate(bucket)
+        p, view = self._params[i], bucket.views[k]
+        if p.grad is None:
+            view.zero_()
+        else:
+            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+            p.grad = None  # the bucket holds it now; the full-size gradient is freed
+
+    def _launch(self, bucket: Bucket):
+        shard = bucket.shard
+        if self.stage == 1:
+            bucket.reduced = bucket.buffer[shard.lo:shard.hi]  # in place: slice r of the bucket
+        else:
+            bucket.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
+            self._release_completed()
+        return comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True)
+
+    def _release_completed(self) -> None:
+        # Stage 2: a full-size bucket is dropped as soon as its reduce_scatter is done.
+        for bucket in self._buckets[:self._next_bucket]:
+            if bucket.buffer is not None and bucket.handle is not None and bucket.handle.is_completed():
+                bucket.handle.wait()
+                self._release(bucket)
+
+    def _used_anywhere(self) -> None:
+        return None  # nothing to track: unused parameters simply reduce zeros
+
+    def _after_backward(self, used_anywhere) -> None:
+        for k, (bucket, shard) in enumerate(zip(self._buckets, self._shards)):
+            grad = bucket.reduced.to(shard.master.dtype)  # no copy when dtypes match
+            bucket.reduced = None
+            if k in self._stash:
+                grad = grad + self._stash.pop(k)
+            if shard.master.grad is None:
+                shard.master.grad = grad
+            else:
+                shard.master.grad.add_(grad)
+            if self.stage == 2:
+                self._release(bucket)
+
+    # -- after the optimizer step
+    def _after_optimizer_step(self) -> None:
+        handles = [shard.gather_full(async_op=True) for shard in self._shards]
+        for h in handles:
+            h.wait()
+
+    def _gradient_tensors(self) -> list[torch.Tensor]:
+        full = [b.buffer for b in self._buckets if b.buffer is not None] if self.stage == 1 else []
+        return full + super()._gradient_tensors()
+
+    def _comm_buffer_tensors(self) -> list[torch.Tensor]:
+        return [b.buffer for b in self._buckets if b.buffer is not None] if self.stage == 2 else []

@@ -1,0 +1,273 @@
+"""ZeRO stage 3: parameters sharded too, gathered per unit just before they are needed.
+
+The model is cut into units (by default: the largest submodules with at least
+`min_unit_params` parameters, e.g. each transformer block; parameters outside
+every unit — embeddings, final norm, a tied output head — form the root unit).
+Each rank stores 1/N of every unit. Per training step, for every unit:
+
+    forward:   all_gather its shard  -> run its forward -> free the full parameters
+    backward:  all_gather again (hook on the unit's outputs' gradient)
+               -> its backward -> gradients ready (post-accumulate-grad hooks)
+               -> reduce_scatter them -> free the full gradients and parameters
+
+While unit k computes, unit k+1's all_gather is already in flight (prefetch; in
+backward, k-1's), so communication overlaps compute. A parameter used by more
+than one submodule (tied embedding and head) lives in one unit, so it is
+gathered and reduced once and stays tied.
+
+Freeing works on the storage (`resize_(0)`), not the tensors: the parameters
+stay views into their unit's flat buffer, autograd's saved references stay
+valid, and gathering into the resized storage brings the values back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from minidist import comm
+from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.zero import ShardedDataParallel
+
+
+def plan_units(module: nn.Module, trainable: list[nn.Parameter], policy: Callable[[str, nn.Module], bool] | None,
+               min_unit_params: int) -> list[tuple[str, nn.Module]]:
+    """The submodules that become units, outermost first; everything else belongs to the root."""
+    uses: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    wanted = {id(p) for p in trainable}
+
+    def self_contained(m: nn.Module) -> bool:
+        inside: dict[int, int] = {}
+        for _, p in m.named_parameters(remove_duplicate=False):
+            inside[id(p)] = inside.get(id(p), 0) + 1
+        return all(uses[k] == v for k, v in inside.items())  # no parameter shared with the outside
+
+    def is_unit(name: str, m: nn.Module) -> bool:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) or not self_contained(m):
+            return False  # containers have no forward of their own to hook
+        if policy is not None:
+            return policy(name, m)
+        return sum(p.numel() for p in m.parameters() if id(p) in wanted) >= min_unit_params
+
+    units: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        for child_name, child in m.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if is_unit(name, child) and any(id(p) in wanted for p in child.parameters()):
+                units.append((name, child))
+            else:
+                visit(name, child)
+
+    visit("", module)
+    return units
+
+
+class _Unit:
+    """One unit's flat shard and its per-step state."""
+
+    def __init__(self, name: str, module: nn.Module | None, shard: FlatShard, param_ids: list[int]):
+        self.name, self.module, self.shard, self.param_ids = name, module, shard, param_ids
+        self.gather_handle = None   # an all_gather in flight (prefetch)
+        self.ready = 0              # parameters whose gradient arrived in this backward
+        self.backward_started = False
+        self.reduce_handle = None
+        self.staging: torch.Tensor | None = None   # full-size gradients, alive while reduced
+        self.reduced: torch.Tensor | None = None
+
+
+class ZeroStage3(ShardedDataParallel):
+    """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params, prefetch."""
+
+    def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 3, process_group=None,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
+                 prefetch: bool = True, bucket_cap_mb: float | None = None, overlap: bool = True):
+        nn.Module.__init__(self)
+        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
+        self.prefetch = prefetch and overlap
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._units: list[_Unit] = []
+        claimed: set[int] = set()
+        planned = plan_units(module, self._params, unit_policy, min_unit_params)
+        groups = []
+        for name, sub in planned:
+            ids = [index[id(p)] for p in sub.parameters() if id(p) in index and index[id(p)] not in claimed]
+            claimed.update(ids)
+            groups.append((name, sub, ids))
+        root_ids = [i for i in range(len(self._params)) if i not in claimed]
+        if root_ids:
+            groups.insert(0, ("<root>", None, root_ids))
+        for k, (name, sub, ids) in enumerate(groups):
+            shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
+                              world_size=self.world_size, group=process_group, compute_dtype=param_dtype,
+                              keep_full=False)
+            self._units.append(_Unit(name, sub, shard, ids))
+        self._root = self._units[0] if root_ids else None
+        self._shards = [u.shard for u in self._units]
+        self._unit_of = {i: u for u in self._units for i in u.param_ids}
+        for u in self._units:
+            if u.module is not None:
+                u.module.register_forward_pre_hook(self._make_pre_forward(u))
+                u.module.register_forward_hook(self._make_post_forward(u))
+        for i, p in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._make_post_accumulate(i))
+        self._sync_enabled = True
+        self._in_backward = False
+        self._order: list[_Unit] = []          # units in the order this forward ran them
+        self._last_order: list[_Unit] = []     # ... and the previous forward (for prefetching)
+        self._make_optimizer(optimizer_factory)
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self._units]
+
+    # ------------------------------------------------------------------ gather / free
+
+    def _unshard(self, u: _Unit) -> None:
+        if u.gather_handle is not None:
+            u.gather_handle.wait()
+            u.gather_handle = None
+        elif not u.shard.is_materialised:
+            u.shard.gather_full()
+
+    def _prefetch(self, u: _Unit | None) -> None:
+        if self.prefetch and u is not None and u.gather_handle is None and not u.shard.is_materialised:
+            u.gather_handle = u.shard.gather_full(async_op=True)
+
+    def _reshard(self, u: _Unit) -> None:
+        if u.gather_handle is None and u.shard.is_materialised:
+            u.shard.free_full()
+
+    def _neighbour(self, order: list[_Unit], u: _Unit, step: int) -> _Unit | None:
+        if u in order:
+            j = order.index(u) + step
+            if 0 <= j < len(order):
+                return order[j]
+        return None
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self._cast_inputs(args, kwargs)
+        self._order = []
+        if self._root is not None:
+            self._unshard(self._root)
+        if self._last_order:
+            self._prefetch(self._last_order[0])
+        out = self.module(*args, **kwargs)
+        if self._root is not None:
+            self._watch_backward(self._root, out)
+            self._reshard(self._root)
+        self._last_order = self._order
+        return out
+
+    def _make_pre_forward(self, u: _Unit):
+        def hook(module, inputs):
+            self._unshard(u)
+            self._order.append(u)
+            self._prefetch(self._neighbour(self._last_order, u, +1))
+        return hook
+
+    def _make_post_forward(self, u: _Unit):
+        def hook(module, inputs, output):
+            self._watch_backward(u, output)
+            self._reshard(u)
+        return hook
+
+    # ------------------------------------------------------------------ backward
+
+    def _watch_backward(self, u: _Unit, output) -> None:
+        """Gather u again when the gradient of its output arrives: its backward is next."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        for t in tensors:
+            t.register_hook(self._make_pre_backward(u))
+
+    def _make_pre_backward(self, u: _Unit):
+        def hook(grad):
+            if not self._in_backward:
+                self._start_backward()
+            if not u.backward_started:
+                u.backward_started = True
+                self._unshard(u)
+                if u is not self._root:  # the unit whose backward runs after this one
+                    self._prefetch(self._neighbour(self._order, u, -1))
+            return grad
+        return hook
+
+    def _start_backward(self) -> None:
+        self._in_backward = True
+        for u in self._units:
+            u.ready, u.backward_started = 0, False
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _make_post_accumulate(self, i: int):
+        def hook(param):
+            if not self._sync_enabled:
+                return  # no_sync: the full gradient accumulates in .grad
+            if not self._in_backward:
+                self._start_backward()
+            u = self._unit_of[i]
+            u.ready += 1
+            if u.ready == len(u.param_ids):
+                self._reduce(u)
+        return hook
+
+    def _reduce(self, u: _Unit) -> None:
+        """Copy the unit's gradients (/ n) into a flat buffer, reduce_scatter it, free the full tensors."""
+        shard = u.shard
+        with torch.no_grad():
+            staging = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+            for slot, i in zip(shard.slots, u.param_ids):
+                p = self._params[i]
+                if p.grad is not None:
+                    torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=staging[slot.offset:slot.offset + slot.numel])
+                    p.grad = None
+            u.staging = staging
+            u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
+            u.reduce_handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True)
+        if u is not self._root:
+            self._reshard(u)
+
+    def _finish_backward(self) -> None:
+        try:
+            if self._sync_enabled:
+                for u in self._units:  # units with parameters that got no gradient: reduce zeros
+                    if u.ready < len(u.param_ids):
+                        self._reduce(u)
+                with torch.no_grad():
+                    for u in self._units:
+                        u.reduce_handle.wait()
+                        grad = u.reduced.to(u.shard.master.dtype)
+                        if u.shard.master.grad is None:
+                            u.shard.master.grad = grad
+                        else:
+                            u.shard.master.grad.add_(grad)
+                        u.staging = u.reduced = u.reduce_handle = None
+        finally:
+            self._in_backward = False
+            for u in self._units:
+                if u.gather_handle is not None:  # a prefetch nobody used
+                    u.gather_handle.wait()
+                    u.gather_handle = None
+                self._reshard(u)
+
+    def _comm_buffer_tensors(self) -> list[torch.Tensor]:
+        return [u.staging for u in self._units if u.staging is not None]
+
+
+def _tensors_in(obj):
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors_in(x)

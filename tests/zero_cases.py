@@ -1,0 +1,116 @@
+"""Training runs shared by the ShardedDataParallel tests: ours vs native references.
+
+Same set-up as ddp_cases: identical model on every rank (ranks > 0 perturbed, so the
+broadcast from rank 0 is exercised), one global batch per step, rank r trains on
+slice r. The reference is native DDP with the same optimizer over the ordinary
+parameters (and torch.nn.utils.clip_grad_norm_), or ZeroRedundancyOptimizer, or
+fully_shard; plus one process on the full batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+
+import minidist
+from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, max_rel_diff, perturbed
+
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, eps=1e-6),
+}
+
+
+def step_loop(forward, backward_ctx, step_fn, model_name, steps, accumulate, rank, n):
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = global_batch(model_name, step, micro, n)
+            if rank is not None:
+                x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
+            last = micro == accumulate - 1
+            with (backward_ctx() if not last else contextlib.nullcontext()):
+                (loss_fn(model_name, forward(x), y) / accumulate).backward()
+        step_fn()
+
+
+def run_reference(kind, base, model_name, optim, steps, accumulate, clip, rank, n):
+    """Native DDP / ZeroRedundancyOptimizer / fully_shard / single process; returns a full state_dict."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = perturbed(base, rank) if rank is not None else copy.deepcopy(base)
+    if kind == "single":
+        model, ctx = net, contextlib.nullcontext
+        opt = OPTIMIZERS[optim](net.parameters())
+    elif kind == "ddp":
+        model = DDP(net)
+        ctx, opt = model.no_sync, OPTIMIZERS[optim](net.parameters())
+    elif kind == "zero_redundancy":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        model = DDP(net)
+        ctx = model.no_sync
+        opt = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=OPTIMIZERS[optim].func,
+                                      **OPTIMIZERS[optim].keywords)
+    elif kind == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+        with torch.no_grad():  # fully_shard does not broadcast: start from rank 0's weights
+            for p in net.parameters():
+                dist.broadcast(p, src=0)
+        for block in getattr(net, "blocks", []):
+            fully_shard(block)
+        fully_shard(net)
+        model = net
+        ctx = contextlib.nullcontext if accumulate == 1 else (lambda: _fsdp_no_sync(net))
+        opt = OPTIMIZERS[optim](net.parameters())
+    else:
+        raise ValueError(kind)
+
+    def step():
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    step_loop(model, ctx, step, model_name, steps, accumulate, rank, n)
+    if kind == "fully_shard":
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                for k, v in net.state_dict().items()}
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(net):
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
+
+
+def run_ours(base, model_name, optim, steps, accumulate, clip, stage, rank, n, **kwargs):
+    net = perturbed(base, rank)
+    model = minidist.ShardedDataParallel(net, OPTIMIZERS[optim], stage=stage, **kwargs)
+
+    def step():
+        if clip:
+            model.clip_grad_norm_(clip)
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+    step_loop(model, model.no_sync, step, model_name, steps, accumulate, rank, n)
+    return model, model.full_state_dict()
+
+
+def compare_zero(stage=2, model="mlp", optim="adamw", steps=10, accumulate=1, clip=None,
+                 references=("ddp", "single"), **kwargs):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build(model)
+    _, ours = run_ours(base, model, optim, steps, accumulate, clip, stage, rank, n, **kwargs)
+    out = {}
+    for ref in references:
+        sd = run_reference(ref, base, model, optim, steps, accumulate, clip, None if ref == "single" else rank, n)
+        out[ref] = max_rel_diff(ours, sd)
+    everyone = minidist.comm.all_gather_object(ours)
+    out["ranks_agree"] = all(torch.equal(everyone[0][k], sd[k]) for sd in everyone for k in sd)
+    out["keys_match"] = list(ours) == list(base.state_dict())
+    return out
