@@ -9,6 +9,8 @@ shows that as zero extra bytes of communication buffers.
 
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Iterable
 
 import torch
@@ -41,3 +43,25 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     if optimizer is None:
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of every live tensor storage in this process, found through the garbage collector.
+
+    Independent of any bookkeeping of ours: what a strategy's memory_report claims can be
+    checked against it. Slow (a scan of all Python objects): for tests and benchmarks only.
+    """
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
+                    s = obj.untyped_storage()
+                    if s.data_ptr() not in seen and s.nbytes() > 0:
+                        seen.add(s.data_ptr())
+                        total += s.nbytes()
+            except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, ...)
+                continue
+    return total

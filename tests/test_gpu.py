@@ -85,3 +85,55 @@ def cuda_ddp_matches_native(gradient_as_bucket_view: bool):
 @pytest.mark.parametrize("as_view", [False, True])
 def test_data_parallel_on_nccl_matches_native(nccl_pool, as_view):
     assert nccl_pool.run(cuda_ddp_matches_native, as_view) == [True]
+
+
+def cuda_zero_matches_native(stage: int, param_dtype: str | None):
+    """ShardedDataParallel on CUDA/nccl (world size 1) vs native DDP (fp32) or fully_shard (bf16)."""
+    import copy
+    import functools
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import minidist
+    from minidist.train.models import GPT
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    base = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(dev)
+    factory = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    dtype = getattr(torch, param_dtype) if param_dtype else None
+    ours = minidist.ShardedDataParallel(copy.deepcopy(base), factory, stage=stage, param_dtype=dtype,
+                                        **({"min_unit_params": 1000} if stage == 3 else {}))
+    ref_net = copy.deepcopy(base)
+    if dtype is None:
+        ref = DDP(ref_net)
+    else:
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        for block in ref_net.blocks:
+            fully_shard(block, mp_policy=policy)
+        ref = fully_shard(ref_net, mp_policy=policy)
+    ref_opt = factory(ref_net.parameters())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x = torch.randint(0, 64, (4, 16), generator=g).to(dev)
+        y = torch.roll(x, -1, 1)
+        GPT.loss(ours(x).float(), y).backward()
+        ours.clip_grad_norm_(0.5)
+        ours.optimizer.step()
+        ours.optimizer.zero_grad()
+        GPT.loss(ref(x).float(), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.cuda.synchronize()
+    mine = ours.full_state_dict()
+    theirs = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in ref_net.state_dict().items()}
+    return max(((mine[k] - theirs[k]).abs().max() / (theirs[k].abs().max() + 1e-12)).item() for k in theirs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("param_dtype", [None, "bfloat16"])
+def test_sharded_data_parallel_on_nccl(nccl_pool, stage, param_dtype):
+    (rel,) = nccl_pool.run(cuda_zero_matches_native, stage, param_dtype)
+    assert rel <= (1e-6 if param_dtype is None else 1e-2), rel

@@ -114,3 +114,47 @@ def compare_zero(stage=2, model="mlp", optim="adamw", steps=10, accumulate=1, cl
     out["ranks_agree"] = all(torch.equal(everyone[0][k], sd[k]) for sd in everyone for k in sd)
     out["keys_match"] = list(ours) == list(base.state_dict())
     return out
+
+
+# --------------------------------------------------------------------------- resharding
+
+GLOBAL_BATCH = 16  # divisible by 1, 2 and 4 ranks: the same global batch at every world size
+
+
+def train_global(model, optimizer, steps: range, model_name="gpt"):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    per = GLOBAL_BATCH // n
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 64, (GLOBAL_BATCH, 16), generator=g)
+        y = torch.roll(x, -1, dims=1)
+        loss_fn(model_name, model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        model.clip_grad_norm_(0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def make_sharded(stage: int):
+    kwargs = {"min_unit_params": 1000} if stage == 3 else {"bucket_cap_mb": 0.02}
+    model = minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["adamw"], stage=stage, **kwargs)
+    # an LR scheduler on the real optimizer: its effect must survive the checkpoint
+    scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=3, gamma=0.5)
+    return model, scheduler
+
+
+def save_then_continue(stage: int):
+    """At the saving world size: 10 steps, save, then 5 more steps (the reference)."""
+    model, scheduler = make_sharded(stage)
+    for s in range(10):
+        train_global(model, model.optimizer, range(s, s + 1))
+        scheduler.step()
+    saved = model.sharded_state_dict()
+    train_global(model, model.optimizer, range(10, 15))
+    return saved, model.full_state_dict()
+
+
+def load_and_continue(stage: int, saved: list):
+    model, _ = make_sharded(stage)
+    model.load_sharded_state_dict(saved)
+    train_global(model, model.optimizer, range(10, 15))
+    return model.full_state_dict(), model.optimizer.param_groups[0]["lr"]
