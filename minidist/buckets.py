@@ -86,6 +86,34 @@ class FlatBuffers:
             comm.broadcast(flat, src=src, group=group)
 
 
+class BufferPool:
+    """Flat buffers handed out by (numel, dtype, device) and taken back when their collective is done.
+
+    A released buffer serves the next request of its size, so a strategy that needs
+    full-size scratch space every step (ZeRO-2/3 gradients before reduce_scatter)
+    neither keeps one per bucket forever nor pays allocation and page faults each time.
+    """
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self.in_use: list[torch.Tensor] = []
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised buffer: the caller writes every element it relies on."""
+        free = self._free.get((numel, dtype, device))
+        t = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
+        self.in_use.append(t)
+        return t
+
+    def put(self, t: torch.Tensor) -> None:
+        self.in_use = [u for u in self.in_use if u is not t]
+        self._free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, in use or free (for memory reports)."""
+        return self.in_use + [t for ts in self._free.values() for t in ts]
+
+
 def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None):
     """Consecutive runs of `tensors` of at most cap_bytes each (the first at most first_cap_bytes).
 

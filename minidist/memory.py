@@ -45,13 +45,16 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def live_tensor_bytes(device_type: str = "cpu") -> int:
+def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
     """Bytes of every live tensor storage in this process, found through the garbage collector.
 
     Independent of any bookkeeping of ours: what a strategy's memory_report claims can be
     checked against it. Slow (a scan of all Python objects): for tests and benchmarks only.
+    collect=False skips the full garbage collection first (tensors die by reference
+    counting anyway; only cycles would be missed) for frequent sampling.
     """
-    gc.collect()
+    if collect:
+        gc.collect()
     seen, total = set(), 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
+from minidist.benchmarking import rotated, slowest
 from minidist.launch import run_local, under_launcher
 from minidist.train.models import GPT, count_parameters
 
@@ -87,12 +88,6 @@ def standalone_comm_seconds(model, repeats: int = 5) -> float:
     return statistics.median(samples)
 
 
-def slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    comm.all_reduce(t, op=comm.ReduceOp.MAX)
-    return t.item()
-
-
 def bench_model(name: str, cfg, rank: int) -> dict:
     variants = {}
     for v in cfg.variants:
@@ -105,8 +100,7 @@ def bench_model(name: str, cfg, rank: int) -> dict:
     names = list(variants)
     for step in range(int(cfg.warmup) + int(cfg.steps)):
         x, y = make_batch(name, cfg, step, rank)
-        order = names[step % len(names):] + names[:step % len(names)]  # rotate who goes first
-        for v in order:
+        for v in rotated(names, step):
             model, opt = variants[v]
             comm.barrier()
             start = time.perf_counter()

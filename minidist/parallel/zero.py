@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
+from minidist.buckets import MiB, Bucket, BufferPool, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward
 from minidist.parallel.ddp import check_same_parameters
@@ -277,6 +277,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             if stage == 1:
                 self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
         self._stash: dict[int, torch.Tensor] = {}
+        self._pool = BufferPool()  # stage 2's full-size gradient buffers, reused across buckets and steps
         self._make_optimizer(optimizer_factory)
         # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
         # Unused parameters contribute zero gradient (a flat shard cannot hold "no gradient").
@@ -291,10 +292,15 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     # -- gradient buffers
     def _allocate(self, bucket: Bucket) -> None:
         shard = bucket.shard
-        bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+        if self.stage == 1:
+            bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+        else:
+            bucket.buffer = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
+            bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
         bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
 
     def _release(self, bucket: Bucket) -> None:
+        self._pool.put(bucket.buffer)
         bucket.buffer, bucket.views = None, []
 
     # -- BucketedBackward hooks
@@ -360,4 +366,4 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         return full + super()._gradient_tensors()
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self._buckets if b.buffer is not None] if self.stage == 2 else []
+        return self._pool.tensors()

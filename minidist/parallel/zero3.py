@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from minidist import comm
+from minidist.buckets import BufferPool
 from minidist.parallel.flat_shard import FlatShard
 from minidist.parallel.zero import ShardedDataParallel
 
@@ -120,6 +121,7 @@ class ZeroStage3(ShardedDataParallel):
         self._in_backward = False
         self._order: list[_Unit] = []          # units in the order this forward ran them
         self._last_order: list[_Unit] = []     # ... and the previous forward (for prefetching)
+        self._pool = BufferPool()  # full-size gradient buffers for reduce_scatter, reused
         self._make_optimizer(optimizer_factory)
 
     @property
@@ -223,11 +225,14 @@ class ZeroStage3(ShardedDataParallel):
         """Copy the unit's gradients (/ n) into a flat buffer, reduce_scatter it, free the full tensors."""
         shard = u.shard
         with torch.no_grad():
-            staging = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+            staging = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
+            staging[shard.numel:].zero_()  # padding
             for slot, i in zip(shard.slots, u.param_ids):
-                p = self._params[i]
-                if p.grad is not None:
-                    torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=staging[slot.offset:slot.offset + slot.numel])
+                p, out = self._params[i], staging[slot.offset:slot.offset + slot.numel]
+                if p.grad is None:
+                    out.zero_()  # no gradient in this backward: contribute zeros
+                else:
+                    torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=out)
                     p.grad = None
             u.staging = staging
             u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
@@ -249,6 +254,7 @@ class ZeroStage3(ShardedDataParallel):
                             u.shard.master.grad = grad
                         else:
                             u.shard.master.grad.add_(grad)
+                        self._pool.put(u.staging)
                         u.staging = u.reduced = u.reduce_handle = None
         finally:
             self._in_backward = False
@@ -259,7 +265,7 @@ class ZeroStage3(ShardedDataParallel):
                 self._reshard(u)
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
-        return [u.staging for u in self._units if u.staging is not None]
+        return self._pool.tensors()
 
 
 def _tensors_in(obj):

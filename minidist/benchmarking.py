@@ -1,0 +1,45 @@
+"""Helpers for paired, interleaved benchmarks (recipes/bench_*.py): fair order, slowest rank, peaks."""
+
+from __future__ import annotations
+
+import torch
+
+from minidist import comm
+from minidist.memory import live_tensor_bytes
+
+
+def rotated(names: list[str], step: int) -> list[str]:
+    """The variants in a different order each step, so none always runs first or last."""
+    k = step % len(names)
+    return names[k:] + names[:k]
+
+
+def slowest(seconds: float) -> float:
+    """A step is as slow as its slowest rank (a collective: every rank must call it)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
+    return t.item()
+
+
+class PeakSampler:
+    """Sample live tensor bytes at hook points of one (untimed) step: forward of each module,
+    each parameter's gradient arriving, and explicit calls. The max is the step's peak."""
+
+    def __init__(self, modules, params, every: int = 8):
+        self.samples: list[int] = []
+        self.active = False
+        self._handles = [m.register_forward_hook(lambda *_: self.sample()) for m in modules]
+        # every 8th gradient: enough points to see backward's peak, few enough to stay quick
+        self._handles += [p.register_post_accumulate_grad_hook(lambda *_: self.sample()) for p in params[::every]]
+
+    def sample(self) -> None:
+        if self.active:
+            self.samples.append(live_tensor_bytes(collect=False))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples) if self.samples else 0
