@@ -322,3 +322,24 @@ def test_bad_arguments_are_explained(ranks):
     assert "bucket_cap_mb must be positive" in errors[1]
     assert "min_unit_params" in errors[2]
     assert "optimizer_factory must be callable" in errors[3]
+
+
+def pool_size_with_max_inflight(stage: int, max_inflight: int):
+    kw = {"min_unit_params": 1000} if stage == 3 else {"bucket_cap_mb": 0.01}
+    model = minidist.ShardedDataParallel(build("gpt"), zero_cases.OPTIMIZERS["sgd"], stage=stage,
+                                         max_inflight=max_inflight, **kw)
+    x = torch.randint(0, 64, (2, 16))
+    loss_fn("gpt", model(x), torch.roll(x, -1, 1)).backward()
+    groups = len(model._shards)
+    return groups, len(model._pool.tensors())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_max_inflight_bounds_the_full_size_gradient_buffers(ranks, stage):
+    groups, buffers = ranks(2).run(pool_size_with_max_inflight, stage, 1)[0]
+    assert groups >= 3
+    assert buffers <= 2  # one in reduction, at most one being filled
+    # and the results stay exact while backward waits
+    for r in ranks(2).run(zero_cases.compare_zero, stage=stage, model="gpt", max_inflight=1,
+                          **({"min_unit_params": 1000} if stage == 3 else {"bucket_cap_mb": 0.01})):
+        check(r, ("ddp", "single"))

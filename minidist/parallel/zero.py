@@ -54,7 +54,9 @@ class ShardedDataParallel(nn.Module):
         overlap: stage 2: reduce_scatter buckets during backward as they fill.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
-        unit_policy, min_unit_params: stage 3 only, see zero3.py.
+        max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
+            their reduce_scatter at once (bounds peak memory; backward waits beyond it).
+        unit_policy, min_unit_params, prefetch: stage 3 only, see zero3.py.
         process_group: the group to shard over (default: the world).
     """
 
@@ -253,12 +255,17 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None, **unused):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 max_inflight: int = 2, **unused):
         nn.Module.__init__(self)
         if unused:
             raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        # Stage 2: at most this many full-size buckets wait for their reduce_scatter at once.
+        self.max_inflight = max_inflight
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
@@ -295,13 +302,15 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         if self.stage == 1:
             bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
         else:
+            self._limit_inflight()
             bucket.buffer = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
             bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
         bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
 
     def _release(self, bucket: Bucket) -> None:
-        self._pool.put(bucket.buffer)
-        bucket.buffer, bucket.views = None, []
+        if bucket.buffer is not None:  # may already be back in the pool (_limit_inflight)
+            self._pool.put(bucket.buffer)
+            bucket.buffer, bucket.views = None, []
 
     # -- BucketedBackward hooks
     def _before_backward(self) -> None:
@@ -331,6 +340,15 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             bucket.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
             self._release_completed()
         return comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True)
+
+    def _limit_inflight(self) -> None:
+        # Before taking another full-size buffer, let the oldest launched reductions finish.
+        while True:
+            inflight = [b for b in self._buckets[:self._next_bucket] if b.buffer is not None]
+            if len(inflight) < self.max_inflight:
+                return
+            inflight[0].handle.wait()
+            self._release(inflight[0])
 
     def _release_completed(self) -> None:
         # Stage 2: a full-size bucket is dropped as soon as its reduce_scatter is done.

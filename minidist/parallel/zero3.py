@@ -82,15 +82,23 @@ class _Unit:
 
 
 class ZeroStage3(ShardedDataParallel):
-    """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params, prefetch."""
+    """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params, prefetch,
+    max_inflight (units whose gradients may be in reduction at once)."""
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 3, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
-                 prefetch: bool = True, bucket_cap_mb: float | None = None, overlap: bool = True):
+                 prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
+                 overlap: bool = True):
         nn.Module.__init__(self)
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
         self.prefetch = prefetch and overlap
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        # At most this many units' full-size gradients wait for their reduce_scatter at once:
+        # bounds the memory in flight (the rest of backward waits for the oldest to finish).
+        self.max_inflight = max_inflight
+        self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
         self._units: list[_Unit] = []
         claimed: set[int] = set()
@@ -224,6 +232,8 @@ class ZeroStage3(ShardedDataParallel):
     def _reduce(self, u: _Unit) -> None:
         """Copy the unit's gradients (/ n) into a flat buffer, reduce_scatter it, free the full tensors."""
         shard = u.shard
+        while len(self._inflight) >= self.max_inflight:
+            self._complete(self._inflight[0])
         with torch.no_grad():
             staging = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
             staging[shard.numel:].zero_()  # padding
@@ -237,8 +247,22 @@ class ZeroStage3(ShardedDataParallel):
             u.staging = staging
             u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
             u.reduce_handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True)
+        self._inflight.append(u)
         if u is not self._root:
             self._reshard(u)
+
+    def _complete(self, u: _Unit) -> None:
+        """Wait for u's reduce_scatter, add the result to its master gradient, recycle the buffer."""
+        with torch.no_grad():
+            u.reduce_handle.wait()
+            grad = u.reduced.to(u.shard.master.dtype)  # no copy when the dtypes match
+            if u.shard.master.grad is None:
+                u.shard.master.grad = grad
+            else:
+                u.shard.master.grad.add_(grad)
+        self._pool.put(u.staging)
+        u.staging = u.reduced = u.reduce_handle = None
+        self._inflight.remove(u)
 
     def _finish_backward(self) -> None:
         try:
@@ -246,16 +270,8 @@ class ZeroStage3(ShardedDataParallel):
                 for u in self._units:  # units with parameters that got no gradient: reduce zeros
                     if u.ready < len(u.param_ids):
                         self._reduce(u)
-                with torch.no_grad():
-                    for u in self._units:
-                        u.reduce_handle.wait()
-                        grad = u.reduced.to(u.shard.master.dtype)
-                        if u.shard.master.grad is None:
-                            u.shard.master.grad = grad
-                        else:
-                            u.shard.master.grad.add_(grad)
-                        self._pool.put(u.staging)
-                        u.staging = u.reduced = u.reduce_handle = None
+                while self._inflight:
+                    self._complete(self._inflight[0])
         finally:
             self._in_backward = False
             for u in self._units:
