@@ -87,31 +87,37 @@ class FlatBuffers:
 
 
 class BufferPool:
-    """Flat buffers handed out by (numel, dtype, device) and taken back when their collective is done.
+    """Scratch flat buffers, taken and given back, reused across buckets and steps.
 
-    A released buffer serves the next request of its size, so a strategy that needs
-    full-size scratch space every step (ZeRO-2/3 gradients before reduce_scatter)
-    neither keeps one per bucket forever nor pays allocation and page faults each time.
+    Strategies that need full-size scratch space every step (ZeRO-2/3 gradients before
+    their reduce_scatter) then neither keep one buffer per bucket forever nor pay an
+    allocation (and page faults) each time. Every buffer is allocated with at least
+    `capacity` elements and serves any request up to its size (as a view of its start),
+    so the pool holds only as many buffers as were ever in use at once.
     """
 
-    def __init__(self):
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-        self.in_use: list[torch.Tensor] = []
+    def __init__(self, capacity: int = 0):
+        self.capacity = capacity
+        self._free: list[torch.Tensor] = []
+        self._in_use: dict[int, torch.Tensor] = {}  # storage address -> whole buffer
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised buffer: the caller writes every element it relies on."""
-        free = self._free.get((numel, dtype, device))
-        t = free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
-        self.in_use.append(t)
-        return t
+        """An uninitialised 1-D buffer of `numel` elements: the caller writes what it relies on."""
+        for k, buf in enumerate(self._free):
+            if buf.dtype == dtype and buf.device == device and buf.numel() >= numel:
+                self._free.pop(k)
+                break
+        else:
+            buf = torch.empty(max(numel, self.capacity), dtype=dtype, device=device)
+        self._in_use[buf.untyped_storage().data_ptr()] = buf
+        return buf[:numel]
 
     def put(self, t: torch.Tensor) -> None:
-        self.in_use = [u for u in self.in_use if u is not t]
-        self._free.setdefault((t.numel(), t.dtype, t.device), []).append(t)
+        self._free.append(self._in_use.pop(t.untyped_storage().data_ptr()))
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer the pool holds, in use or free (for memory reports)."""
-        return self.in_use + [t for ts in self._free.values() for t in ts]
+        return list(self._in_use.values()) + self._free
 
 
 def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None):

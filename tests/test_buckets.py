@@ -69,3 +69,20 @@ def test_flat_buffers_track_in_place_updates_and_reassignment():
         assert bn.running_mean.data_ptr() == fb.flats[0].data_ptr()
     finally:
         minidist.shutdown()
+
+
+def test_buffer_pool_reuses_buffers_for_any_smaller_request():
+    from minidist.buckets import BufferPool
+    pool = BufferPool(capacity=100)
+    a = pool.get(40, torch.float32, torch.device("cpu"))
+    assert a.numel() == 40
+    b = pool.get(100, torch.float32, torch.device("cpu"))
+    assert len(pool.tensors()) == 2
+    pool.put(a)
+    c = pool.get(90, torch.float32, torch.device("cpu"))  # served by a's buffer (capacity 100)
+    assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    pool.put(b)
+    pool.put(c)
+    assert len(pool.tensors()) == 2 and all(t.numel() == 100 for t in pool.tensors())
+    d = pool.get(10, torch.float16, torch.device("cpu"))  # another dtype: a new buffer
+    assert d.dtype == torch.float16 and len(pool.tensors()) == 3

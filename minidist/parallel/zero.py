@@ -284,7 +284,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             if stage == 1:
                 self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
         self._stash: dict[int, torch.Tensor] = {}
-        self._pool = BufferPool()  # stage 2's full-size gradient buffers, reused across buckets and steps
+        # Stage 2's full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
+        self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
         self._make_optimizer(optimizer_factory)
         # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
         # Unused parameters contribute zero gradient (a flat shard cannot hold "no gradient").

@@ -129,7 +129,8 @@ class ZeroStage3(ShardedDataParallel):
         self._in_backward = False
         self._order: list[_Unit] = []          # units in the order this forward ran them
         self._last_order: list[_Unit] = []     # ... and the previous forward (for prefetching)
-        self._pool = BufferPool()  # full-size gradient buffers for reduce_scatter, reused
+        # Full-size gradient buffers for reduce_scatter, reused; each can hold any unit's gradients.
+        self._pool = BufferPool(capacity=max(u.shard.padded for u in self._units))
         self._make_optimizer(optimizer_factory)
 
     @property
