@@ -36,3 +36,12 @@ def run_local(fn: Callable, nproc: int, args: tuple = ()) -> dict:
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return elastic_launch(config, entrypoint=fn)(*args)
+
+
+def run_recipe(fn: Callable, cfg_dict: dict, nproc: int) -> None:
+    """A recipe's entry: call fn(cfg_dict) on this rank under torchrun / SLURM, else start
+    `nproc` local ranks that each call it."""
+    if under_launcher():
+        fn(cfg_dict)
+    else:
+        run_local(fn, nproc=nproc, args=(cfg_dict,))

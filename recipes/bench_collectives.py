@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.launch import run_local, under_launcher
+from minidist.launch import run_recipe
 
 BUS_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -233,10 +233,7 @@ def main(cfg: DictConfig) -> None:
     unknown = set(cfg.ops) - set(BUS_FACTOR)
     if unknown:
         raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {sorted(BUS_FACTOR)}")
-    if under_launcher():
-        bench_main(cfg_dict)
-    else:
-        run_local(bench_main, nproc=int(cfg.nproc), args=(cfg_dict,))
+    run_recipe(bench_main, cfg_dict, nproc=int(cfg.nproc))
 
 
 if __name__ == "__main__":

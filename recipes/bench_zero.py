@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 import minidist
 from minidist import comm
 from minidist.benchmarking import PeakSampler, rotated, slowest
-from minidist.launch import run_local, under_launcher
+from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes, measure
 from minidist.train.models import GPT
 
@@ -180,10 +180,7 @@ def main(cfg: DictConfig) -> None:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if cfg_dict.get("out"):
         cfg_dict["out"] = os.path.abspath(cfg_dict["out"])
-    if under_launcher():
-        bench_main(cfg_dict)
-    else:
-        run_local(bench_main, nproc=int(cfg.nproc), args=(cfg_dict,))
+    run_recipe(bench_main, cfg_dict, nproc=int(cfg.nproc))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.launch import run_local, under_launcher
+from minidist.launch import run_recipe
 
 
 # --------------------------------------------------------------------------- presentation
@@ -252,13 +252,9 @@ def tour_main(cfg_dict: dict) -> list[str]:
 
 @hydra.main(config_path="../configs", config_name="tour", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    if under_launcher():
-        tour_main(cfg_dict)
-    elif int(cfg.nproc) < 1:
+    if int(cfg.nproc) < 1:
         raise SystemExit(f"nproc={cfg.nproc}: need at least 1 rank (2 or more to see every step)")
-    else:
-        run_local(tour_main, nproc=int(cfg.nproc), args=(cfg_dict,))
+    run_recipe(tour_main, OmegaConf.to_container(cfg, resolve=True), nproc=int(cfg.nproc))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ across ranks even when gradients become ready in a different order on each.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -21,7 +22,22 @@ from minidist import comm
 from minidist.buckets import Bucket
 
 
-class BucketedBackward:
+class GradientSyncSwitch:
+    """`no_sync()` for every strategy: while off, gradient hooks leave .grad to accumulate locally."""
+
+    _sync_enabled: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next synced backward reduces the sum."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+
+class BucketedBackward(GradientSyncSwitch):
     """Mixin: call `_init_bucketed_backward` once the buckets exist; implement the three hooks."""
 
     def _init_bucketed_backward(self, names: list[str], params: list[torch.Tensor], *, overlap: bool,

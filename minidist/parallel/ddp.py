@@ -29,7 +29,6 @@ so no kernel reads a bucket before its reduction is done.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
@@ -202,15 +201,6 @@ class DataParallel(BucketedBackward, nn.Module):
         if self._flat_buffers is not None and torch.is_grad_enabled():
             self._flat_buffers.broadcast(src=self.source_rank, group=self.process_group)
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally; the next synced backward reduces the sum."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict (already complete on every rank: nothing is sharded)."""

@@ -24,7 +24,6 @@ memory) and stages 1-2, which reuse DataParallel's backward machinery.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable
 
@@ -35,14 +34,14 @@ from torch import nn
 from minidist import comm
 from minidist.buckets import MiB, Bucket, BufferPool, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
-from minidist.parallel.bucketed_backward import BucketedBackward
+from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.ddp import check_same_parameters
 from minidist.parallel.flat_shard import FlatShard
 
 CHECKPOINT_FORMAT = "minidist.sharded.v1"
 
 
-class ShardedDataParallel(nn.Module):
+class ShardedDataParallel(GradientSyncSwitch, nn.Module):
     """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
 
     Args:
@@ -135,15 +134,6 @@ class ShardedDataParallel(nn.Module):
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside accumulate full gradients locally; the next synced one reduces the sum."""
-        previous, self._sync_enabled = self._sync_enabled, False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """The complete, unsharded state_dict of the wrapped module (same keys), fp32 parameters.
