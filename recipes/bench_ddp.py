@@ -78,10 +78,11 @@ def wrap(kind: str, kwargs: dict, net, cap_mb: float):
 def standalone_comm_seconds(model, repeats: int = 5) -> float:
     """How long our buckets' all_reduces take with nothing else running (median of repeats)."""
     samples = []
+    scratch = [b.buffer.clone() for b in model._buckets]  # allocated outside the timed region
     for _ in range(repeats):
         comm.barrier()
         start = time.perf_counter()
-        handles = [comm.all_reduce(b.buffer.clone(), async_op=True) for b in model._buckets]
+        handles = [comm.all_reduce(t, async_op=True) for t in scratch]
         for h in handles:
             h.wait()
         samples.append(time.perf_counter() - start)
