@@ -7,8 +7,10 @@
 Every variant owns a copy of the same model and optimizer; each step runs every
 variant once, in a rotating order (so no variant always goes first or last), on
 the same batch. A step's time is the slowest rank's. Reported: median step time
-per variant, ratios to native DDP, and for ours the communication time left
-exposed at the end of backward against the time the same all_reduces take alone.
+per variant with its interquartile range, ratios to native DDP (of the medians, and
+the median of step-by-step ratios, which cancels drift between steps), and for ours
+the communication time left exposed at the end of backward against the time the
+same all_reduces take alone.
 """
 
 from __future__ import annotations
@@ -118,7 +120,12 @@ def bench_model(name: str, cfg, rank: int) -> dict:
     for v in names:
         model = variants[v][0]
         med = statistics.median(times[v])
-        row = {"median_step_s": med, "ratio_to_native": med / native_median if native_median else None,
+        q1, _, q3 = statistics.quantiles(times[v], n=4) if len(times[v]) > 1 else (med, med, med)
+        row = {"median_step_s": med, "iqr_s": [q1, q3],
+               "ratio_to_native": med / native_median if native_median else None,
+               # the median of step-by-step ratios: each pair ran back to back, so drift cancels
+               "paired_ratio": (statistics.median(a / b for a, b in zip(times[v], times["native"]))
+                                if native_median else None),
                "steps": len(times[v])}
         if exposed[v]:
             row["exposed_comm_s"] = statistics.median(exposed[v])
@@ -130,12 +137,16 @@ def bench_model(name: str, cfg, rank: int) -> dict:
 
 def print_result(res: dict) -> None:
     print(f"\n{res['model']}: {res['parameters'] / 1e6:.1f}M parameters")
-    print(f"  {'variant':<20}{'median step':>12}{'ours/native':>12}{'exposed comm':>14}{'comm alone':>12}{'buckets':>9}")
+    print(f"  {'variant':<20}{'median step':>12}{'IQR':>16}{'ours/native':>12}{'paired':>8}{'exposed comm':>14}"
+          f"{'comm alone':>12}{'buckets':>9}")
     for v, row in res["variants"].items():
         ratio = f"{row['ratio_to_native']:.3f}" if row["ratio_to_native"] else "-"
         exp = f"{row['exposed_comm_s'] * 1e3:.1f} ms" if "exposed_comm_s" in row else "-"
         alone = f"{row['standalone_comm_s'] * 1e3:.1f} ms" if "standalone_comm_s" in row else "-"
-        print(f"  {v:<20}{row['median_step_s'] * 1e3:>9.1f} ms{ratio:>12}{exp:>14}{alone:>12}{row.get('buckets', '-'):>9}")
+        iqr = f"{row['iqr_s'][0] * 1e3:.0f}-{row['iqr_s'][1] * 1e3:.0f} ms"
+        paired = f"{row['paired_ratio']:.3f}" if row["paired_ratio"] else "-"
+        print(f"  {v:<20}{row['median_step_s'] * 1e3:>9.1f} ms{iqr:>16}{ratio:>12}{paired:>8}{exp:>14}{alone:>12}"
+              f"{row.get('buckets', '-'):>9}")
 
 
 def bench_main(cfg_dict: dict) -> None:

@@ -343,3 +343,29 @@ def test_max_inflight_bounds_the_full_size_gradient_buffers(ranks, stage):
     for r in ranks(2).run(zero_cases.compare_zero, stage=stage, model="gpt", max_inflight=1,
                           **({"min_unit_params": 1000} if stage == 3 else {"bucket_cap_mb": 0.01})):
         check(r, ("ddp", "single"))
+
+
+def clip_norms(stage: int, norm_type: float):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build("gpt")
+    ours = minidist.ShardedDataParallel(copy.deepcopy(base), zero_cases.OPTIMIZERS["sgd"], stage=stage,
+                                        **STAGE_KW[stage])
+    ref_net = copy.deepcopy(base)
+    ref = DDP(ref_net)
+    x, y = global_batch("gpt", 0, 0, n)
+    xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+    loss_fn("gpt", ours(xs), ys).backward()
+    loss_fn("gpt", ref(xs), ys).backward()
+    mine = ours.clip_grad_norm_(1e-3, norm_type=norm_type)
+    theirs = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 1e-3, norm_type=norm_type)
+    return mine.item(), theirs.item()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_returns_the_unsharded_norm(ranks, stage, norm_type):
+    for mine, theirs in ranks(3).run(clip_norms, stage, norm_type):
+        assert mine == pytest.approx(theirs, rel=1e-6)

@@ -10,7 +10,7 @@ The algorithm, in the order it happens:
    parameters and buffers are broadcast in a few flat messages.
 2. Gradients are assigned to buckets in reverse registration order (backward
    produces the last layer's gradients first). The first bucket is small so
-   communication starts early.
+   communication starts early; the last one too, since nothing overlaps it.
 3. A post-accumulate-grad hook per parameter copies its gradient into its bucket
    slice, divided by the world size. When a bucket's last gradient arrives, the
    bucket is all_reduced asynchronously — while backward keeps computing the
@@ -72,8 +72,9 @@ class DataParallel(BucketedBackward, nn.Module):
     Args:
         module: the model; the same architecture on every rank.
         bucket_cap_mb: maximum size of a gradient bucket (MiB).
-        first_bucket_mb: maximum size of the first bucket (MiB), small so the first
-            all_reduce starts early in backward.
+        first_bucket_mb: maximum size of the first and the last bucket (MiB): small so
+            the first all_reduce starts early in backward and little is left to reduce
+            (exposed) after backward ends.
         overlap: reduce each bucket as soon as it is full (True), or all buckets after
             backward (False, for measuring what overlap buys).
         gradient_as_bucket_view: make `.grad` a view into the buckets (saves one copy
