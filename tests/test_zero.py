@@ -369,3 +369,34 @@ def clip_norms(stage: int, norm_type: float):
 def test_clip_grad_norm_returns_the_unsharded_norm(ranks, stage, norm_type):
     for mine, theirs in ranks(3).run(clip_norms, stage, norm_type):
         assert mine == pytest.approx(theirs, rel=1e-6)
+
+
+def two_backwards_one_step(stage: int):
+    """Gradients of two synced backward passes add up before the step (no zero_grad between)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build("gpt")
+    ours = minidist.ShardedDataParallel(copy.deepcopy(base), zero_cases.OPTIMIZERS["sgd"], stage=stage,
+                                        **STAGE_KW[stage])
+    ref_net = copy.deepcopy(base)
+    ref = DDP(ref_net)
+    ref_opt = zero_cases.OPTIMIZERS["sgd"](ref_net.parameters())
+    for step in range(3):
+        for micro in range(2):
+            x, y = global_batch("gpt", step, micro, n)
+            xs, ys = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+            loss_fn("gpt", ours(xs), ys).backward()
+            loss_fn("gpt", ref(xs), ys).backward()
+        ours.optimizer.step()
+        ours.optimizer.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max_rel_diff(ours.full_state_dict(), ref_net.state_dict())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_accumulate_across_synced_backwards(ranks, stage):
+    for rel, where in ranks(2).run(two_backwards_one_step, stage):
+        assert rel <= 1e-6, (rel, where)

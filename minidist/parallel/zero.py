@@ -240,6 +240,13 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         return []
 
 
+class ShardBucket(Bucket):
+    """A DataParallel bucket plus the FlatShard it reduces into and its reduced slice."""
+
+    shard: FlatShard
+    reduced: torch.Tensor | None = None
+
+
 class ZeroStage12(BucketedBackward, ShardedDataParallel):
     """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
 
@@ -264,8 +271,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
                               rank=self.rank, world_size=self.world_size, group=process_group,
                               compute_dtype=param_dtype, keep_full=True)
-            bucket = Bucket(k, list(ids), buffer=None, views=[], process_group=process_group,
-                            world_size=self.world_size)
+            bucket = ShardBucket(k, list(ids), buffer=None, views=[], process_group=process_group,
+                                 world_size=self.world_size)
             bucket.shard = shard
             self._shards.append(shard)
             self._buckets.append(bucket)
@@ -288,7 +295,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         return self.module(*args, **kwargs)
 
     # -- gradient buffers
-    def _allocate(self, bucket: Bucket) -> None:
+    def _allocate(self, bucket: ShardBucket) -> None:
         shard = bucket.shard
         if self.stage == 1:
             bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
@@ -298,7 +305,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
         bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
 
-    def _release(self, bucket: Bucket) -> None:
+    def _release(self, bucket: ShardBucket) -> None:
         if bucket.buffer is not None:  # may already be back in the pool (_limit_inflight)
             self._pool.put(bucket.buffer)
             bucket.buffer, bucket.views = None, []
@@ -313,7 +320,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                     self._stash[k] = shard.master.grad.clone()
                     shard.master.grad = None
 
-    def _fill_slot(self, i: int, bucket: Bucket, k: int) -> None:
+    def _fill_slot(self, i: int, bucket: ShardBucket, k: int) -> None:
         if bucket.buffer is None:
             self._allocate(bucket)
         p, view = self._params[i], bucket.views[k]
@@ -323,7 +330,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             torch.mul(p.grad, 1.0 / self.world_size, out=view)
             p.grad = None  # the bucket holds it now; the full-size gradient is freed
 
-    def _launch(self, bucket: Bucket):
+    def _launch(self, bucket: ShardBucket):
         shard = bucket.shard
         if self.stage == 1:
             bucket.reduced = bucket.buffer[shard.lo:shard.hi]  # in place: slice r of the bucket
