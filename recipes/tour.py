@@ -238,13 +238,15 @@ def tour_main(cfg_dict: dict) -> list[str]:
     tour.sync_vs_async()
     tour.pitfall_read_before_wait()
     comm.barrier()
-    if not single:
+    if not single and cfg.deadlock_demo:
         tour.pitfall_deadlock()
     failed = comm.all_gather_object(tour.failed)
     bad = sorted({f for per_rank in failed for f in per_rank})
     minidist.print0(f"\n{tour.step_no} steps, " + ("all verified." if not bad else f"FAILED: {bad}"))
-    # No group teardown: the deadlock demo's group is broken on purpose, and
-    # destroying it can block. The process ends right after this.
+    # Tear the groups down before the interpreter exits: left to the interpreter's own
+    # teardown, gloo can abort the process ("terminate called without an active exception").
+    comm.barrier()
+    minidist.shutdown()
     if bad:
         raise SystemExit(1)
     return bad
