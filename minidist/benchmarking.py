@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from minidist import comm
@@ -43,3 +46,19 @@ class PeakSampler:
     @property
     def peak(self) -> int:
         return max(self.samples) if self.samples else 0
+
+
+def require_known(what: str, given, known) -> None:
+    """Exit with the choices when a config names a variant / op the benchmark does not have."""
+    unknown = set(given) - set(known)
+    if unknown:
+        raise SystemExit(f"unknown {what} {sorted(unknown)}; choose from {sorted(known)}")
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    """Write a benchmark's results (rank 0 only, by the caller) and say where."""
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1))
+    print(f"\nwrote {path}", flush=True)

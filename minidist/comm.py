@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

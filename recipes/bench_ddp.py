@@ -15,11 +15,9 @@ same all_reduces take alone.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import hydra
 import torch
@@ -28,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import rotated, slowest
+from minidist.benchmarking import require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.train.models import GPT, count_parameters
 
@@ -161,18 +159,14 @@ def bench_main(cfg_dict: dict) -> None:
         results.append(res)
         if ctx.rank == 0:
             print_result(res)
-    if ctx.rank == 0 and cfg.out:
-        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg.out).write_text(json.dumps({"world_size": ctx.world_size, "results": results}, indent=1))
-        print(f"\nwrote {cfg.out}")
+    if ctx.rank == 0:
+        write_json(cfg.out, {"world_size": ctx.world_size, "results": results})
     minidist.shutdown()
 
 
 @hydra.main(config_path="../configs", config_name="bench_ddp", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    unknown = set(cfg.variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {sorted(VARIANTS)}")
+    require_known("variants", cfg.variants, VARIANTS)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if cfg_dict.get("out"):
         cfg_dict["out"] = os.path.abspath(cfg_dict["out"])

@@ -19,11 +19,9 @@ gradient, before and after), above what was live before the variant was built.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import hydra
 import torch
@@ -31,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, rotated, slowest
+from minidist.benchmarking import PeakSampler, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes, measure
 from minidist.train.models import GPT
@@ -165,18 +163,13 @@ def bench_main(cfg_dict: dict) -> None:
             to_native = f"{r['ratio_to_native']:.3f}" if "ratio_to_native" in r else "-"
             print(f"  {name:<14}{r['median_step_s'] * 1e3:>9.1f} ms{to_ddp:>8}{to_native:>10}"
                   f"{r['state_bytes'] / 2**20:>10.1f}{r['state_per_psi']:>11.2f}{r['peak_bytes'] / 2**20:>9.1f}")
-        if cfg.out:
-            Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(cfg.out).write_text(json.dumps({"world_size": ctx.world_size, "psi": psi, "results": rows}, indent=1))
-            print(f"\nwrote {cfg.out}")
+        write_json(cfg.out, {"world_size": ctx.world_size, "psi": psi, "results": rows})
     minidist.shutdown()
 
 
 @hydra.main(config_path="../configs", config_name="bench_zero", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    unknown = set(cfg.variants) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    require_known("variants", cfg.variants, VARIANTS)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if cfg_dict.get("out"):
         cfg_dict["out"] = os.path.abspath(cfg_dict["out"])

@@ -111,7 +111,7 @@ def test_point_to_point(ranks, world_size):
 
 
 def trace_one_of_each():
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     x = torch.zeros(10, dtype=torch.float32)  # 40 bytes
     with CommTracer() as tracer:
         comm.all_reduce(x)
