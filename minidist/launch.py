@@ -38,10 +38,20 @@ def run_local(fn: Callable, nproc: int, args: tuple = ()) -> dict:
     return elastic_launch(config, entrypoint=fn)(*args)
 
 
-def run_recipe(fn: Callable, cfg_dict: dict, nproc: int) -> None:
+def run_recipe(fn: Callable, cfg, path_keys: tuple[str, ...] = ()) -> None:
     """A recipe's entry: call fn(cfg_dict) on this rank under torchrun / SLURM, else start
-    `nproc` local ranks that each call it."""
+    `cfg.nproc` local ranks that each call it.
+
+    `cfg` (a Hydra DictConfig or a dict) travels to the ranks as a plain dict; the
+    `path_keys` given are made absolute first, so every rank writes to the same place.
+    """
+    from omegaconf import OmegaConf
+
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    for key in path_keys:
+        if cfg_dict.get(key):
+            cfg_dict[key] = os.path.abspath(cfg_dict[key])
     if under_launcher():
         fn(cfg_dict)
     else:
-        run_local(fn, nproc=nproc, args=(cfg_dict,))
+        run_local(fn, nproc=int(cfg_dict["nproc"]), args=(cfg_dict,))

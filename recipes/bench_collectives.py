@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
+from minidist.benchmarking import require_known
 from minidist.launch import run_recipe
 
 BUS_FACTOR = {
@@ -228,12 +228,8 @@ def bench_main(cfg_dict: dict) -> None:
 
 @hydra.main(config_path="../configs", config_name="bench_collectives", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    cfg_dict["out_dir"] = os.path.abspath(cfg_dict["out_dir"])
-    unknown = set(cfg.ops) - set(BUS_FACTOR)
-    if unknown:
-        raise SystemExit(f"unknown ops {sorted(unknown)}; choose from {sorted(BUS_FACTOR)}")
-    run_recipe(bench_main, cfg_dict, nproc=int(cfg.nproc))
+    require_known("ops", cfg.ops, BUS_FACTOR)
+    run_recipe(bench_main, cfg, path_keys=("out_dir",))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ gradient, before and after), above what was live before the variant was built.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 
@@ -170,10 +169,7 @@ def bench_main(cfg_dict: dict) -> None:
 @hydra.main(config_path="../configs", config_name="bench_zero", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     require_known("variants", cfg.variants, VARIANTS)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    if cfg_dict.get("out"):
-        cfg_dict["out"] = os.path.abspath(cfg_dict["out"])
-    run_recipe(bench_main, cfg_dict, nproc=int(cfg.nproc))
+    run_recipe(bench_main, cfg, path_keys=("out",))
 
 
 if __name__ == "__main__":

@@ -256,7 +256,7 @@ def tour_main(cfg_dict: dict) -> list[str]:
 def main(cfg: DictConfig) -> None:
     if int(cfg.nproc) < 1:
         raise SystemExit(f"nproc={cfg.nproc}: need at least 1 rank (2 or more to see every step)")
-    run_recipe(tour_main, OmegaConf.to_container(cfg, resolve=True), nproc=int(cfg.nproc))
+    run_recipe(tour_main, cfg)
 
 
 if __name__ == "__main__":
