@@ -80,8 +80,12 @@ class DataParallel(BucketedBackward, nn.Module):
         gradient_as_bucket_view: make `.grad` a view into the buckets (saves one copy
             of the gradients in memory and the copy into the bucket).
         find_unused_parameters: parameters that get no gradient in a backward are
-            treated as ready with zero gradient. Without it such a parameter ends
-            backward with an error that names it.
+            treated as ready with zero gradient (one small extra all_reduce per step
+            finds those no rank used; their .grad is left alone). Without it such a
+            parameter ends backward with an error that names it — on every rank when
+            the model skips it everywhere; if only some ranks skip it (data-dependent
+            control flow), the others wait in their last all_reduce until the process
+            group's timeout (init_distributed's timeout_s) and then fail.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before
             each forward that records gradients.
         comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16".
