@@ -40,6 +40,7 @@ from minidist.buckets import MiB, Bucket, FlatBuffers, broadcast_coalesced, plan
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
+from minidist.parallel.powersgd import PowerSGD
 
 
 def check_same_parameters(module: nn.Module, group=None) -> None:
@@ -88,7 +89,8 @@ class DataParallel(BucketedBackward, nn.Module):
             group's timeout (init_distributed's timeout_s) and then fail.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before
             each forward that records gradients.
-        comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16".
+        comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16",
+            "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)).
         process_group: the group to reduce over (default: the world).
     """
 
@@ -108,10 +110,12 @@ class DataParallel(BucketedBackward, nn.Module):
         self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = broadcast_buffers
-        if isinstance(comm_hook, str):
+        if comm_hook == "powersgd":
+            comm_hook = PowerSGD()  # stateful: one per model
+        elif isinstance(comm_hook, str):
             if comm_hook not in BUILTIN_HOOKS:
-                raise ValueError(f"unknown comm_hook {comm_hook!r}; choose from {sorted(BUILTIN_HOOKS)} "
-                                 "or pass a callable")
+                raise ValueError(f"unknown comm_hook {comm_hook!r}; choose from "
+                                 f"{sorted([*BUILTIN_HOOKS, 'powersgd'])} or pass a callable")
             comm_hook = BUILTIN_HOOKS[comm_hook]
         self.comm_hook = comm_hook or allreduce_hook
         self._cap_bytes = int(bucket_cap_mb * MiB)
