@@ -49,7 +49,8 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         optimizer_factory: called with the list of this rank's master shards, e.g.
             `functools.partial(torch.optim.AdamW, lr=3e-4)`. Any element-wise optimizer works.
         stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
-        bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size).
+        bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size);
+            stage 3 accepts and ignores it (its units replace buckets).
         overlap: stage 2: reduce_scatter buckets during backward as they fill.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
@@ -73,12 +74,18 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
     # ------------------------------------------------------------------ shared set-up
 
     def _setup_common(self, module: nn.Module, optimizer_factory: Callable, stage: int, process_group,
-                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> list:
+                      param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                      max_inflight: int) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
         if not callable(optimizer_factory):
             raise TypeError("optimizer_factory must be callable with a list of parameters, e.g. "
                             "functools.partial(torch.optim.AdamW, lr=3e-4)")
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        # Stages 2-3: at most this many full-size gradient buffers wait for their
+        # reduce_scatter at once; beyond it, backward waits for the oldest to finish.
+        self.max_inflight = max_inflight
         self.module = module
         self.stage = stage
         self.process_group = process_group
@@ -259,11 +266,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        # Stage 2: at most this many full-size buckets wait for their reduce_scatter at once.
-        self.max_inflight = max_inflight
-        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
+        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
+                           max_inflight)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
         self._shards, self._buckets, self._where = [], [], {}

@@ -91,13 +91,9 @@ class ZeroStage3(ShardedDataParallel):
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
                  overlap: bool = True):
         nn.Module.__init__(self)
-        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype)
+        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
+                           max_inflight)
         self.prefetch = prefetch and overlap
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
-        # At most this many units' full-size gradients wait for their reduce_scatter at once:
-        # bounds the memory in flight (the rest of backward waits for the oldest to finish).
-        self.max_inflight = max_inflight
         self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
         self._units: list[_Unit] = []
