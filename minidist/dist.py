@@ -14,6 +14,7 @@ import datetime
 import logging
 import os
 import re
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Mapping
@@ -107,6 +108,13 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + job_id % 20000,
         )
     return LaunchInfo("single", 0, 1, 0, 1, 0, "127.0.0.1", 0)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for local rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def choose_backend(backend: str, local_world_size: int) -> str:

@@ -12,7 +12,7 @@ import os
 import uuid
 from typing import Callable
 
-from minidist.testing import free_port
+from minidist.dist import free_port
 
 
 def under_launcher() -> bool:

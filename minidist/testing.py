@@ -23,10 +23,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import time
 import traceback
 from typing import Any, Callable
+
+from minidist.dist import free_port
 
 DEFAULT_TIMEOUT_S = 120.0
 # After one rank fails, how long the others get to finish before we assume they
@@ -40,12 +41,6 @@ class RankFailure(AssertionError):
 
 class RankTimeout(AssertionError):
     """The ranks did not all finish before the deadline; the pool was killed."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> None:

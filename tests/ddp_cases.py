@@ -74,21 +74,29 @@ def make_optimizer(name: str, params):
     raise ValueError(name)
 
 
-def train(wrapper, inner: nn.Module, model: str, optim: str, steps: int, accumulate: int,
-          rank: int | None, n: int, no_sync=None):
-    """Train `wrapper` (whose parameters live in `inner`). rank=None: the full batch, one process."""
-    opt = make_optimizer(optim, inner.parameters())
+def step_loop(forward, no_sync, step_fn, model: str, steps: int, accumulate: int, rank: int | None, n: int):
+    """`steps` optimizer steps of `accumulate` micro-batches; rank=None: the full batch, one process.
+    Every micro-batch but the last runs inside no_sync() (when given)."""
     for step in range(steps):
         for micro in range(accumulate):
             x, y = global_batch(model, step, micro, n)
             if rank is not None:
                 x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
             last = micro == accumulate - 1
-            ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-            with ctx:
-                (loss_fn(model, wrapper(x), y) / accumulate).backward()
+            with (no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()):
+                (loss_fn(model, forward(x), y) / accumulate).backward()
+        step_fn()
+
+
+def train(wrapper, inner: nn.Module, model: str, optim: str, steps: int, accumulate: int,
+          rank: int | None, n: int, no_sync=None):
+    """Train `wrapper` (whose parameters live in `inner`) with `optim`; return inner's state_dict."""
+    opt = make_optimizer(optim, inner.parameters())
+
+    def step():
         opt.step()
         opt.zero_grad()
+    step_loop(wrapper, no_sync, step, model, steps, accumulate, rank, n)
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 
 

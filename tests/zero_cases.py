@@ -17,24 +17,12 @@ import torch
 import torch.distributed as dist
 
 import minidist
-from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, max_rel_diff, perturbed
+from ddp_cases import build, loss_fn, max_rel_diff, perturbed, step_loop
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, eps=1e-6),
 }
-
-
-def step_loop(forward, backward_ctx, step_fn, model_name, steps, accumulate, rank, n):
-    for step in range(steps):
-        for micro in range(accumulate):
-            x, y = global_batch(model_name, step, micro, n)
-            if rank is not None:
-                x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
-            last = micro == accumulate - 1
-            with (backward_ctx() if not last else contextlib.nullcontext()):
-                (loss_fn(model_name, forward(x), y) / accumulate).backward()
-        step_fn()
 
 
 def run_reference(kind, base, model_name, optim, steps, accumulate, clip, rank, n):

@@ -63,6 +63,15 @@ def check_same_parameters(module: nn.Module, group=None) -> None:
                     "before wrapping it.")
 
 
+def replicate_from_source(module: nn.Module, src: int, group=None) -> None:
+    """Make every rank's module a copy of rank `src`'s: check that all ranks hold the same
+    parameters (raising on every rank otherwise), then broadcast parameters and buffers."""
+    check_same_parameters(module, group)
+    with torch.no_grad():
+        broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
+                            src=src, group=group)
+
+
 def _describe(entry) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} shape {list(entry[1])} {entry[2]}"
 
@@ -121,14 +130,11 @@ class DataParallel(BucketedBackward, nn.Module):
         self._cap_bytes = int(bucket_cap_mb * MiB)
         self._first_cap_bytes = int(first_bucket_mb * MiB)
 
-        check_same_parameters(module, process_group)
+        replicate_from_source(module, self.source_rank, process_group)
         # named_parameters() yields a shared (tied) parameter once: it is reduced once.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        with torch.no_grad():
-            broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
-                                src=self.source_rank, group=process_group)
         self._flat_buffers = FlatBuffers(module) if broadcast_buffers and self.world_size > 1 else None
 
         self._build_buckets(list(reversed(range(len(self._params)))))

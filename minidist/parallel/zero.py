@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.buckets import MiB, Bucket, BufferPool, broadcast_coalesced, plan_buckets
+from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
-from minidist.parallel.ddp import check_same_parameters
+from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard
 
 CHECKPOINT_FORMAT = "minidist.sharded.v1"
@@ -94,10 +94,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
-        check_same_parameters(module, process_group)
-        with torch.no_grad():
-            broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
-                                src=self.source_rank, group=process_group)
+        replicate_from_source(module, self.source_rank, process_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ShardedDataParallel: the model has no trainable parameters")
