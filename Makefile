@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-NPROC ?= 2
+# make train: one rank per GPU where there are GPUs, else 2 on CPU (launcher.nproc=auto); NPROC=N overrides.
+NPROC ?=
 
 .PHONY: setup train test tour bench-collectives clean
 
@@ -16,18 +17,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# Until the trainer exists, the main job is the primitives tour.
+# The main job: minidist ddp, gpt_nano on the embedded stdlib_text, NPROC local ranks.
 train: setup
-	OMP_NUM_THREADS=1 $(PY) recipes/tour.py nproc=$(NPROC)
+	OMP_NUM_THREADS=1 $(PY) recipes/train.py $(if $(NPROC),launcher.nproc=$(NPROC)) $(ARGS)
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 tour: setup
-	OMP_NUM_THREADS=1 $(PY) recipes/tour.py nproc=$(NPROC)
+	OMP_NUM_THREADS=1 $(PY) recipes/tour.py nproc=$(or $(NPROC),2)
 
 bench-collectives: setup
-	OMP_NUM_THREADS=1 $(PY) recipes/bench_collectives.py nproc=$(NPROC)
+	OMP_NUM_THREADS=1 $(PY) recipes/bench_collectives.py nproc=$(or $(NPROC),2)
 
 clean:
 	rm -rf $(VENV) outputs runs .pytest_cache

@@ -46,6 +46,7 @@ class CommRecord:
     issued: float         # perf_counter() when the call was made
     completed: float | None = None  # when it returned (sync) or wait() returned (async)
     sent_bytes: float = 0.0         # bytes this rank sends under the ring model
+    blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
 
     @property
     def duration(self) -> float | None:
@@ -111,6 +112,11 @@ class CommTracer:
     def total_sent_bytes(self) -> float:
         return sum(r.sent_bytes for r in self.records)
 
+    @property
+    def blocked_s(self) -> float:
+        """Time the calling thread spent blocked on communication: the part not hidden behind compute."""
+        return sum(r.blocked_s for r in self.records)
+
     def format_summary(self) -> str:
         lines = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'sent (ring)':>14}"]
         for op, row in sorted(self.summary().items()):
@@ -141,6 +147,7 @@ class Handle:
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> None:
         if not self._done:
+            start = time.perf_counter()
             if timeout is None:
                 self._work.wait()
             else:
@@ -148,8 +155,11 @@ class Handle:
                     timeout = datetime.timedelta(seconds=timeout)
                 self._work.wait(timeout)
             self._done = True
-            if self._record is not None and self._record.completed is None:
-                self._record.completed = time.perf_counter()
+            if self._record is not None:
+                now = time.perf_counter()
+                self._record.blocked_s += now - start
+                if self._record.completed is None:
+                    self._record.completed = now
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -163,6 +173,7 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
         return Handle(work, rec)
     if rec is not None:
         rec.completed = time.perf_counter()
+        rec.blocked_s = rec.completed - rec.issued
     return None
 
 

@@ -120,3 +120,57 @@ class ConvNet(nn.Module):
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- built from a config
+
+
+def resnet18_small(num_classes: int, channels: int = 3) -> nn.Module:
+    """torchvision's resnet18 for 32x32 inputs: a 3x3 stride-1 stem and no max-pool, as is
+    usual for CIFAR (the ImageNet stem would shrink 32x32 to 8x8 before the first block)."""
+    import torchvision
+
+    net = torchvision.models.resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    return net
+
+
+class ImageMLP(nn.Module):
+    """Flatten an image, then the MLP."""
+
+    def __init__(self, in_features: int, hidden: list[int], classes: int):
+        super().__init__()
+        self.mlp = MLP((in_features, *hidden, classes))
+
+    def forward(self, x):
+        return self.mlp(x.flatten(1))
+
+
+def build_model(model_cfg, info) -> nn.Module:
+    """The model `model_cfg.name` names, sized for the data described by `info` (a DataInfo).
+
+    Raises ValueError when the model cannot take that data (the caller turns it into a
+    ConfigError naming the keys).
+    """
+    name = model_cfg.name
+    if name == "gpt":
+        if info.kind != "text":
+            raise ValueError("the GPT needs a text data set")
+        return GPT(vocab_size=info.vocab_size, block_size=int(model_cfg.block_size), n_layer=int(model_cfg.n_layer),
+                   n_head=int(model_cfg.n_head), n_embd=int(model_cfg.n_embd), tie_weights=bool(model_cfg.tie_weights))
+    if info.kind != "image":
+        raise ValueError(f"{name} classifies images")
+    if name == "resnet18":
+        return resnet18_small(info.num_classes, info.channels)
+    if name == "mlp":
+        return ImageMLP(info.channels * info.image_size ** 2, list(model_cfg.hidden), info.num_classes)
+    raise ValueError(f"unknown model {name!r}")
+
+
+def gpt_flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token (forward + backward): 6 per parameter plus attention's
+    12 * layers * embedding * context (the PaLM appendix estimate nanoGPT uses)."""
+    cfg = model.cfg
+    n_params = count_parameters(model) - model.pos_emb.weight.numel()
+    return 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size

@@ -1,0 +1,166 @@
+"""Trainer checkpoints: atomic, complete, resumable exactly; consolidated offline for any strategy.
+
+    <run dir>/checkpoints/step_00000100/
+        meta.pt              step, strategy, world size, config, scheduler, scaler, data position
+        rng_rank00000.pt     each rank's RNG states
+        model.pt, optimizer.pt            full strategies (single, ddp, native_*): rank 0 writes
+        shard_rank00000.pt ..., layout.pt sharded strategies (zero1/2/3): every rank writes its shard
+
+Atomic: every rank writes into `.step_XXXXXXXX.tmp`, and only when all have finished
+does rank 0 rename it to `step_XXXXXXXX`. A rename is atomic, so a process killed
+while saving leaves a `.tmp` folder that is never mistaken for a checkpoint (and
+is removed by the next save).
+
+    python -m minidist.checkpoint consolidate CKPT_DIR OUT.pt   # a plain state_dict, any strategy
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from minidist import comm
+from minidist.train.errors import ConfigError
+from minidist.train.strategy import shard_path
+
+FORMAT = "minidist.train.v1"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints under run_dir/checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / "meta.pt").is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def read_meta(ckpt: Path) -> dict:
+    meta_file = Path(ckpt) / "meta.pt"
+    if not meta_file.is_file():
+        raise ConfigError(f"{ckpt} is not a minidist checkpoint (no meta.pt): give trainer.resume a "
+                          "checkpoints/step_XXXXXXXX folder, auto, or none")
+    meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{ckpt} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: int) -> Path:
+    """Write the checkpoint of `step` atomically; keep the newest `keep_last`. A collective."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp"
+    rank = strategy.ctx.rank
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp"):  # left by a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    comm.barrier()
+    strategy.save(tmp)
+    torch.save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    if rank == 0:
+        torch.save({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
+    comm.barrier()  # every rank's files are on disk
+    if rank == 0:
+        if final.exists():  # the same step saved again (a resumed run): replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old)
+    comm.barrier()
+    return final
+
+
+def load_checkpoint(ckpt: Path, strategy) -> dict:
+    """Restore model, optimizer and this rank's RNG from `ckpt`; return its meta for the rest."""
+    meta = read_meta(ckpt)
+    strategy.load(Path(ckpt), meta["world_size"])
+    rng_file = Path(ckpt) / f"rng_rank{strategy.ctx.rank:05d}.pt"
+    set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
+
+
+# --------------------------------------------------------------------------- consolidation
+
+
+def consolidate(ckpt: Path) -> dict:
+    """The plain state_dict of the bare model from any strategy's checkpoint (no process group)."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    if not meta["sharded"]:
+        return torch.load(ckpt / "model.pt", map_location="cpu")
+    shards = [torch.load(shard_path(ckpt, r), map_location="cpu", weights_only=False)
+              for r in range(meta["world_size"])]
+    layout = torch.load(ckpt / "layout.pt", weights_only=False)
+    params = {}
+    for name, shape in shards[0]["shapes"].items():
+        flat = torch.empty(int(torch.Size(shape).numel()))
+        covered = 0
+        for shard in shards:
+            for start, values in shard["params"].get(name, []):
+                flat[start:start + values.numel()] = values
+                covered += values.numel()
+        if covered != flat.numel():
+            raise ValueError(f"{ckpt}: the shards hold {covered} of the {flat.numel()} values of {name!r}; "
+                             "is a shard file missing?")
+        params[name] = flat.view(shape)
+    # In the module's own key order; a tied weight appears under each of its keys; frozen
+    # parameters and buffers are not sharded and come from the replicated part.
+    return {key: params[layout["params"][key]] if layout["params"].get(key) in params
+            else shards[0]["replicated"][key] for key in layout["order"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m minidist.checkpoint",
+                                     description="Tools for minidist trainer checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write a plain full state_dict (torch.load-able into the bare model)")
+    c.add_argument("ckpt_dir", type=Path, help="a checkpoints/step_XXXXXXXX folder")
+    c.add_argument("out", type=Path, help="the .pt file to write")
+    args = parser.parse_args(argv)
+    try:
+        state = consolidate(args.ckpt_dir)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out.exists():
+        print(f"error: {args.out} exists; choose another name or remove it first", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, args.out)
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {n:,} values (strategy {read_meta(args.ckpt_dir)['strategy']})")
+    return 0

@@ -1,0 +1,125 @@
+"""Check a trainer config before any work: each mistake is one line naming the key and the fix.
+
+Runs in the launching process (or on every rank under torchrun), before a rank starts,
+a data set is read, or anything is written into the run directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minidist.train import data as data_mod
+from minidist.train.checkpoint import latest_checkpoint, read_meta
+from minidist.train.errors import ConfigError
+from minidist.train.strategy import STRATEGIES
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+MODEL_KINDS = {"gpt": "text", "resnet18": "image", "mlp": "image"}  # the data each model takes
+# fp16 needs a loss scaler whose inf check sees every gradient; with sharded gradients the
+# ranks would each see only their shard (and could disagree on skipping a step).
+FP16_STRATEGIES = ("single", "ddp", "native_ddp", "native_zero1")
+
+
+def _positive(cfg, key: str, minimum: int = 1) -> int:
+    value = cfg.trainer[key]
+    if not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"trainer.{key}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+def grad_accum_steps(cfg, world_size: int) -> int:
+    """trainer.grad_accum, or what trainer.global_batch_size implies when it is set."""
+    t = cfg.trainer
+    per_step = t.micro_batch_size * world_size
+    if t.get("global_batch_size") is None:
+        return int(t.grad_accum)
+    if t.global_batch_size % per_step or t.global_batch_size < per_step:
+        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} does not divide into micro-batches: it "
+                          f"must be a multiple of trainer.micro_batch_size x world size = {t.micro_batch_size} x "
+                          f"{world_size} = {per_step}; change one of them")
+    return t.global_batch_size // per_step
+
+
+def resolve_resume(cfg, run_dir: Path) -> Path | None:
+    """The checkpoint to continue from, or None for a fresh start."""
+    resume = str(cfg.trainer.resume)
+    if resume == "none":
+        if latest_checkpoint(run_dir) is not None:
+            raise ConfigError(f"the run directory {run_dir} already holds checkpoints and trainer.resume=none would "
+                              "train over them: use trainer.resume=auto to continue, or a new hydra.run.dir")
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"trainer.resume={resume!r} is not a folder: give auto, none, or a "
+                          "checkpoints/step_XXXXXXXX folder")
+    return path
+
+
+def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
+    meta = read_meta(ckpt)
+    saved = meta["config"]
+    if saved["model"] != _plain(cfg.model):
+        raise ConfigError(f"trainer.resume: {ckpt} holds model {saved['model'].get('name')!r} "
+                          f"({saved['model']}), this run builds {_plain(cfg.model)}: resume with the same model= "
+                          "settings, or start a new run (trainer.resume=none in a new hydra.run.dir)")
+    if meta["strategy"] != cfg.strategy.name:
+        raise ConfigError(f"trainer.resume: {ckpt} was saved by strategy={meta['strategy']}, this run uses "
+                          f"strategy={cfg.strategy.name}: resume with the same strategy (or consolidate it with "
+                          "python -m minidist.checkpoint consolidate and start anew)")
+    if meta["world_size"] != world_size:
+        raise ConfigError(f"trainer.resume: {ckpt} was saved by {meta['world_size']} ranks, this run has "
+                          f"{world_size}: resume with launcher.nproc={meta['world_size']} (or the same torchrun size)")
+
+
+def _plain(node) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+
+
+def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
+    """Raise ConfigError for the first problem found; return the checkpoint to resume from (or None)."""
+    t = cfg.trainer
+    if cfg.strategy.name not in STRATEGIES:
+        raise ConfigError(f"strategy={cfg.strategy.name!r} is unknown: choose one of {list(STRATEGIES)}")
+    if cfg.strategy.name == "single" and world_size != 1:
+        raise ConfigError(f"strategy=single runs on one rank, but {world_size} were asked for: set launcher.nproc=1, "
+                          "or use a data-parallel strategy (strategy=ddp)")
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "keep_last", "log_every"):
+        _positive(cfg, key)
+    for key in ("eval_every", "ckpt_every", "eval_batches"):
+        _positive(cfg, key, minimum=0)
+    if t.stop_at is not None and not (isinstance(t.stop_at, int) and 1 <= t.stop_at <= t.max_steps):
+        raise ConfigError(f"trainer.stop_at={t.stop_at!r} must be a step between 1 and trainer.max_steps={t.max_steps}")
+    grad_accum_steps(cfg, world_size)  # raises if the global batch does not divide
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
+    on_gpu = cfg.launcher.backend != "gloo" and torch.cuda.is_available()
+    if t.precision == "fp16":
+        if not on_gpu:
+            raise ConfigError("trainer.precision=fp16 needs a CUDA GPU (a gradient scaler on CPU is not supported by "
+                              "autocast): use trainer.precision=bf16 on CPU")
+        if cfg.strategy.name not in FP16_STRATEGIES:
+            raise ConfigError(f"trainer.precision=fp16 with strategy={cfg.strategy.name}: the loss scaler would see "
+                              f"only this rank's gradient shard; use bf16, or one of {list(FP16_STRATEGIES)}")
+    if cfg.data.name not in data_mod.TEXT_SETS + data_mod.IMAGE_SETS:
+        raise ConfigError(f"data.name={cfg.data.name!r} is unknown: choose one of "
+                          f"{list(data_mod.TEXT_SETS + data_mod.IMAGE_SETS)}")
+    if cfg.model.name not in MODEL_KINDS:
+        raise ConfigError(f"model.name={cfg.model.name!r} is unknown: choose one of {list(MODEL_KINDS)}")
+    if MODEL_KINDS[cfg.model.name] != data_mod.data_info(cfg.data).kind:
+        raise ConfigError(f"model={cfg.model.name} cannot train on data={cfg.data.name}: pick a matching pair "
+                          "(gpt_* with stdlib_text or text_file; resnet18 or mlp with cifar10, mnist or fake_images)")
+    n = data_mod.train_size(cfg.data, int(cfg.model.get("block_size", 1)))
+    if n < world_size * t.micro_batch_size:
+        raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one micro-batch on each of "
+                          f"{world_size} ranks (trainer.micro_batch_size={t.micro_batch_size}): use more data, a "
+                          "smaller trainer.micro_batch_size, or fewer ranks")
+    ckpt = resolve_resume(cfg, run_dir)
+    if ckpt is not None:
+        check_resume_matches(cfg, ckpt, world_size)
+    return ckpt

@@ -1,0 +1,113 @@
+"""From a composed Hydra config to training ranks: validate once, then start (or be) the ranks.
+
+    python recipes/train.py launcher.nproc=4      -> this process validates, then starts 4 local ranks
+    torchrun --nproc_per_node 4 recipes/train.py  -> each rank validates, then trains
+
+A config error is printed as one line (`error: ...`) and the exit status is 2, before
+any rank starts or anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from minidist.launch import run_local, under_launcher
+from minidist.train.config_check import validate
+from minidist.train.errors import ConfigError
+
+
+def local_nproc(launcher_cfg) -> int:
+    """launcher.nproc, where auto means one rank per GPU (unless backend=gloo), else cpu_nproc."""
+    import torch
+
+    if str(launcher_cfg.nproc) != "auto":
+        if not isinstance(launcher_cfg.nproc, int) or launcher_cfg.nproc < 1:
+            raise ConfigError(f"launcher.nproc={launcher_cfg.nproc!r} must be auto or an integer >= 1")
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if launcher_cfg.backend == "nccl" and launcher_cfg.nproc > gpus:
+            raise ConfigError(f"launcher.nproc={launcher_cfg.nproc} with launcher.backend=nccl, but this machine has "
+                              f"{gpus} GPUs: one rank per GPU, so lower launcher.nproc (or use launcher.backend=gloo)")
+        return launcher_cfg.nproc
+    if launcher_cfg.backend != "gloo" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return int(launcher_cfg.cpu_nproc)
+
+
+def world_size_for(cfg) -> int:
+    """The world this config will run in: the launcher's, or the local ranks we are about to start."""
+    if under_launcher():
+        return int(os.environ.get("WORLD_SIZE") or os.environ["SLURM_NTASKS"])
+    return local_nproc(cfg.launcher)
+
+
+def agree_on_run_dir(run_dir: Path, ctx) -> Path:
+    """Under torchrun every rank composed its own config, and a time-stamped run directory can
+    differ by a second between ranks: all take rank 0's, and drop their own if it stayed empty."""
+    from minidist import comm
+
+    chosen = Path(comm.all_gather_object(str(run_dir))[0])
+    if chosen != run_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+    return chosen
+
+
+def quiet_unless_rank0(run_dir: Path, rank: int) -> None:
+    """Ranks other than 0 send stdout and stderr (Python's and native code's) to their log file."""
+    if rank == 0:
+        return
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    out = open(run_dir / "logs" / f"rank_{rank}.console", "a", buffering=1)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+
+
+def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
+    """One rank's whole run: init, train, shut down. Returns the run's summary."""
+    import torch
+
+    import minidist
+    from minidist.train.trainer import Trainer
+
+    cfg = OmegaConf.create(cfg_dict)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
+    path = agree_on_run_dir(Path(run_dir), ctx)
+    quiet_unless_rank0(path, ctx.rank)
+    trainer = Trainer(cfg, path, resume_from=resume_from)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+        minidist.shutdown()
+
+
+def launch(cfg, run_dir: str | Path) -> int:
+    """Validate `cfg` and train; return the process exit status."""
+    run_dir = Path(run_dir).absolute()
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    try:
+        world = world_size_for(cfg)
+        ckpt = validate(cfg, world, run_dir)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    resume = str(ckpt) if ckpt is not None else None
+    if under_launcher():
+        run_rank(cfg_dict, str(run_dir), resume)
+        return 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run_local(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
+    except ChildFailedError as e:
+        print(f"error: training failed on rank(s) {sorted(e.failures)}; each rank's log is in {run_dir / 'logs'}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,294 @@
+"""Every data-parallel strategy behind one interface, so the trainer has one loop.
+
+    strategy = build_strategy(cfg.strategy, ctx)
+    model, optimizer = strategy.wrap(net, torch.optim.AdamW, {"lr": 3e-4})
+    with strategy.no_sync(): loss.backward()      # accumulate without communication
+    strategy.clip_grad_norm_(1.0)                 # the global norm, whatever is sharded
+    strategy.save(directory) / strategy.load(directory, saved_world_size)
+    strategy.full_state_dict()                    # rank 0: the plain state_dict of net
+    strategy.memory_report()                      # bytes on this rank, from live storages
+
+| name         | what                                                        | checkpoint |
+| single       | no wrapper, one rank                                        | full       |
+| ddp          | minidist.DataParallel                                       | full       |
+| zero1/2/3    | minidist.ShardedDataParallel(stage=k)                       | sharded    |
+| native_ddp   | torch DistributedDataParallel                               | full       |
+| native_zero1 | DistributedDataParallel + ZeroRedundancyOptimizer           | full       |
+| native_fsdp  | fully_shard per unit (the units our stage 3 would pick), root | full     |
+
+"full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded":
+every rank writes its shard with the offsets that let any world size load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minidist.memory import measure, optimizer_tensors
+from minidist.train.errors import ConfigError
+
+OURS = ("single", "ddp", "zero1", "zero2", "zero3")
+NATIVE = ("native_ddp", "native_zero1", "native_fsdp")
+STRATEGIES = OURS + NATIVE
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (fully_shard's parameters), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Strategy:
+    """The interface. Subclasses implement `_wrap`; the rest has defaults for replicated models."""
+
+    name = ""
+    sharded_checkpoint = False
+    traces_comm = True  # communication goes through minidist.comm, so CommTracer sees it
+
+    def __init__(self, cfg, ctx):
+        self.cfg, self.ctx = cfg, ctx
+        self.net: nn.Module | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def wrap(self, net: nn.Module, optim_cls, optim_kwargs: dict):
+        """Wrap `net` (already on ctx.device) and build its optimizer; return (model, optimizer)."""
+        self.net = net
+        self.model, self.optimizer = self._wrap(net, optim_cls, dict(optim_kwargs))
+        return self.model, self.optimizer
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        raise NotImplementedError
+
+    def no_sync(self):
+        """Backward passes inside accumulate locally; the next one outside synchronises."""
+        return self.model.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm and return it (before clipping)."""
+        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
+
+    def full_state_dict(self) -> dict:
+        """The plain state_dict of the bare model on rank 0 ({} elsewhere). A collective."""
+        return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()} if self.ctx.rank == 0 else {}
+
+    def optimizer_state_dict(self) -> dict:
+        """The whole optimizer state on rank 0 ({} elsewhere). A collective."""
+        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def load_full_state_dict(self, state: dict) -> None:
+        self.net.load_state_dict(state)
+
+    # -- checkpoints
+    def save(self, directory: Path) -> None:
+        """Write this rank's part of the model and optimizer state into `directory`. A collective."""
+        model, optim = self.full_state_dict(), self.optimizer_state_dict()
+        if self.ctx.rank == 0:
+            torch.save(model, directory / "model.pt")
+            torch.save(optim, directory / "optimizer.pt")
+
+    def load(self, directory: Path, saved_world_size: int) -> None:
+        """Restore what `save` wrote (every rank reads the full files)."""
+        self.load_full_state_dict(torch.load(directory / "model.pt", map_location=self.ctx.device))
+        self.load_optimizer_state_dict(torch.load(directory / "optimizer.pt", map_location=self.ctx.device,
+                                                  weights_only=False))
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
+        params = [_local(p) for p in self.net.parameters()]
+        return measure({
+            "parameters": params,
+            "gradients": [_local(p.grad) for p in self.net.parameters() if p.grad is not None],
+            "optimizer_state": [_local(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
+        })
+
+
+class Single(Strategy):
+    """One process, no wrapper: the reference every other strategy must match."""
+
+    name = "single"
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        if self.ctx.world_size != 1:
+            raise ConfigError(f"strategy=single runs on one rank, but the world has {self.ctx.world_size}: "
+                              "use launcher.nproc=1, or a data-parallel strategy such as strategy=ddp")
+        return net, optim_cls(net.parameters(), **optim_kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
+class OursDDP(Strategy):
+    name = "ddp"
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from minidist import DataParallel
+
+        model = DataParallel(net, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
+                             gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
+                             find_unused_parameters=bool(self.cfg.find_unused_parameters),
+                             broadcast_buffers=bool(self.cfg.broadcast_buffers))
+        return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def memory_report(self):
+        return self.model.memory_report(self.optimizer)
+
+
+class OursZero(Strategy):
+    """ShardedDataParallel: each rank checkpoints its own shard (loadable at any world size)."""
+
+    sharded_checkpoint = True
+
+    def __init__(self, cfg, ctx, stage: int):
+        super().__init__(cfg, ctx)
+        self.stage = stage
+        self.name = f"zero{stage}"
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from minidist import ShardedDataParallel
+
+        kwargs = {"min_unit_params": int(self.cfg.min_unit_params)} if self.stage == 3 else \
+            {"bucket_cap_mb": float(self.cfg.bucket_cap_mb)}
+        model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=self.stage, **kwargs)
+        return model, model.optimizer
+
+    def clip_grad_norm_(self, max_norm):
+        return self.model.clip_grad_norm_(max_norm)
+
+    def full_state_dict(self):
+        return self.model.full_state_dict(rank0_only=True)
+
+    def load_full_state_dict(self, state):
+        raise NotImplementedError("ZeRO checkpoints are sharded: see save/load")
+
+    def save(self, directory):
+        torch.save(self.model.sharded_state_dict(), shard_path(directory, self.ctx.rank))
+        if self.ctx.rank == 0:
+            torch.save(state_dict_layout(self.net), directory / "layout.pt")
+
+    def load(self, directory, saved_world_size):
+        if saved_world_size == self.ctx.world_size:
+            state = torch.load(shard_path(directory, self.ctx.rank), map_location="cpu", weights_only=False)
+        else:  # another world size: every saved shard, re-cut for this one
+            state = [torch.load(shard_path(directory, r), map_location="cpu", weights_only=False)
+                     for r in range(saved_world_size)]
+        self.model.load_sharded_state_dict(state)
+
+    def memory_report(self):
+        return self.model.memory_report()
+
+
+def shard_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"shard_rank{rank:05d}.pt"
+
+
+def state_dict_layout(net: nn.Module) -> dict:
+    """The state_dict's keys in order, and which parameter each parameter key holds (tied weights:
+    two keys, one parameter) — what consolidating sharded checkpoints needs to rebuild it."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    keys = net.state_dict(keep_vars=True)
+    return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}
+
+
+class NativeDDP(Strategy):
+    name = "native_ddp"
+    traces_comm = False
+
+    def _ddp(self, net):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(net, device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
+                   bucket_cap_mb=float(self.cfg.bucket_cap_mb),
+                   gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
+                   find_unused_parameters=bool(self.cfg.find_unused_parameters),
+                   broadcast_buffers=bool(self.cfg.broadcast_buffers))
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
+
+
+class NativeZero1(NativeDDP):
+    name = "native_zero1"
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = self._ddp(net)
+        return model, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=optim_cls, **optim_kwargs)
+
+    def optimizer_state_dict(self):
+        self.optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 receives every shard
+        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+
+class NativeFSDP(Strategy):
+    name = "native_fsdp"
+    traces_comm = False
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from torch.distributed.fsdp import fully_shard
+
+        from minidist.parallel.zero3 import plan_units
+
+        trainable = [p for p in net.parameters() if p.requires_grad]
+        for _, unit in plan_units(net, trainable, None, int(self.cfg.min_unit_params)):
+            fully_shard(unit)
+        model = fully_shard(net)
+        return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def full_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(self.net, options=self._options())  # a collective
+        return state if self.ctx.rank == 0 else {}
+
+    def optimizer_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.net, self.optimizer, options=self._options())
+        return state if self.ctx.rank == 0 else {}
+
+    def load_full_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.net, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def build_strategy(cfg, ctx) -> Strategy:
+    """The strategy `cfg.name` names, configured by the rest of `cfg` (the strategy config group)."""
+    name = cfg.name
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy={name!r} is unknown: choose one of {list(STRATEGIES)}")
+    if name.startswith("zero"):
+        return OursZero(cfg, ctx, int(name[-1]))
+    return {"single": Single, "ddp": OursDDP, "native_ddp": NativeDDP, "native_zero1": NativeZero1,
+            "native_fsdp": NativeFSDP}[name](cfg, ctx)

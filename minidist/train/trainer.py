@@ -1,0 +1,262 @@
+"""The training loop: one loop for every strategy, ours and native.
+
+    trainer = Trainer(cfg, run_dir, resume_from=None)   # on every rank, after init_distributed
+    summary = trainer.fit()                              # train, evaluate, checkpoint, log
+    trainer.close()
+
+One optimizer step = grad_accum micro-batches (all but the last under the strategy's
+no_sync), clipping through the strategy, then optimizer, scheduler and (fp16) scaler.
+global batch = micro_batch_size x grad_accum x world_size samples.
+
+Per step the time is split into data (fetching batches), exposed communication (time
+blocked on communication: for our strategies from minidist.comm's tracer; native ones
+cannot tell, so their compute includes it) and compute (the rest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+import minidist
+from minidist import comm
+from minidist.train.checkpoint import load_checkpoint, save_checkpoint
+from minidist.train.config_check import grad_accum_steps
+from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
+from minidist.train.observe import RunLog
+from minidist.train.strategy import build_strategy
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
+    """Linear warm-up to the peak, then a cosine decay to min_ratio x peak at max_steps."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+def optimizer_spec(optim_cfg) -> tuple[type, dict]:
+    """(optimizer class, keyword arguments) from the optim config group."""
+    kwargs = {"lr": float(optim_cfg.lr), "weight_decay": float(optim_cfg.weight_decay)}
+    if optim_cfg.name == "adamw":
+        kwargs["betas"] = tuple(float(b) for b in optim_cfg.betas)
+    else:
+        kwargs.update(momentum=float(optim_cfg.momentum), nesterov=bool(optim_cfg.nesterov))
+    return OPTIMIZERS[optim_cfg.name], kwargs
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: str | Path, resume_from: str | Path | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        t = cfg.trainer
+        self.ctx = ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=cfg.launcher.timeout_s)
+        self.grad_accum = grad_accum_steps(cfg, ctx.world_size)
+        self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
+        self.log = RunLog(cfg, self.run_dir, ctx)
+
+        # Same initial weights on every rank (the strategies also broadcast rank 0's).
+        torch.manual_seed(t.seed)
+        block_size = int(cfg.model.get("block_size", 0)) or 1
+        self.train_set, self.val_set, self.info = build_datasets(cfg.data, block_size)
+        self.is_text = self.info.kind == "text"
+        self.tokens_per_sample = block_size if self.is_text else 0
+        self.sampler = ShardedBatchSampler(len(self.train_set), ctx.rank, ctx.world_size, t.micro_batch_size,
+                                           seed=t.seed)
+        self.net = build_model(cfg.model, self.info).to(ctx.device)
+        self.n_params = count_parameters(self.net)
+        self.flops_per_token = gpt_flops_per_token(self.net) if self.is_text else None
+
+        self.strategy = build_strategy(cfg.strategy, ctx)
+        optim_cls, optim_kwargs = optimizer_spec(cfg.optim)
+        self.model, self.optimizer = self.strategy.wrap(self.net, optim_cls, optim_kwargs)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(t.max_steps), float(cfg.optim.min_lr_ratio)))
+        self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.step = 0
+        # Each rank its own stream of randomness from here on (dropout, augmentation).
+        torch.manual_seed(t.seed + 1000 * ctx.rank)
+        if resume_from is not None:
+            self._resume(Path(resume_from))
+        self.log.info(f"{self.strategy.name}: {cfg.model.name} ({self.n_params / 1e6:.2f}M parameters) on "
+                      f"{cfg.data.name} ({len(self.train_set):,} training samples), {ctx.world_size} rank(s), "
+                      f"{ctx.backend}, global batch {self.global_batch} = {t.micro_batch_size} x {self.grad_accum} x "
+                      f"{ctx.world_size}, {t.precision}, run directory {self.run_dir}")
+
+    # ------------------------------------------------------------------ one step
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
+
+    def _loss(self, out, y):
+        if self.is_text:
+            return F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
+        return F.cross_entropy(out.float(), y)
+
+    def train_step(self, batches) -> dict:
+        """One optimizer step over grad_accum micro-batches; returns this rank's measurements."""
+        start = time.perf_counter()
+        data_s = 0.0
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        with comm.CommTracer() as tracer:
+            for micro in range(self.grad_accum):
+                t0 = time.perf_counter()
+                x, y = collate(self.train_set, next(batches))
+                x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+                data_s += time.perf_counter() - t0
+                last = micro == self.grad_accum - 1
+                with (contextlib.nullcontext() if last else self.strategy.no_sync()):
+                    with self._autocast():
+                        loss = self._loss(self.model(x), y) / self.grad_accum
+                    self.scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            self.scaler.unscale_(self.optimizer)
+            clip = float(self.cfg.trainer.grad_clip)
+            grad_norm = self.strategy.clip_grad_norm_(clip if clip > 0 else math.inf)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)
+        total = time.perf_counter() - start
+        comm_s = tracer.blocked_s if self.strategy.traces_comm else None
+        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "step_s": total, "data_s": data_s,
+                "comm_s": comm_s, "compute_s": total - data_s - (comm_s or 0.0),
+                "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None}
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss (and accuracy for classifiers) on the first eval_batches micro-batches of every rank."""
+        t = self.cfg.trainer
+        per_batch = t.micro_batch_size * self.ctx.world_size
+        batches = min(int(t.eval_batches), len(self.val_set) // per_batch)
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)  # loss x count, correct, count
+        for b in range(batches):
+            first = b * per_batch + self.ctx.rank * t.micro_batch_size
+            x, y = collate(self.val_set, list(range(first, first + t.micro_batch_size)))
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            with self._autocast():
+                out = self.model(x)
+            n = y.numel()
+            sums[0] += self._loss(out, y).double() * n
+            sums[2] += n
+            if not self.is_text:
+                sums[1] += (out.argmax(-1) == y).sum()
+        self.model.train()
+        comm.all_reduce(sums)
+        count = max(1.0, sums[2].item())
+        result = {"val/loss": sums[0].item() / count}
+        if not self.is_text:
+            result["val/accuracy"] = sums[1].item() / count
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> Path:
+        meta = {"strategy": self.strategy.name, "world_size": self.ctx.world_size, "sharded":
+                self.strategy.sharded_checkpoint, "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "data": self.sampler.state_dict()}
+        path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last))
+        self.log.info(f"step {self.step}: checkpoint {path}")
+        return path
+
+    def _resume(self, ckpt: Path) -> None:
+        meta = load_checkpoint(ckpt, self.strategy)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.scaler.load_state_dict(meta["scaler"])
+        self.sampler.load_state_dict(meta["data"])
+        self.step = int(meta["step"])
+        self.log.info(f"resumed from {ckpt} at step {self.step}")
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> dict:
+        t = self.cfg.trainer
+        end = int(t.stop_at) if t.stop_at is not None else int(t.max_steps)
+        batches = iter(self.sampler)
+        self.log.start_progress(self.step, int(t.max_steps))
+        last_eval: dict = {}
+        history: list[dict] = []
+        while self.step < end:
+            m = self.train_step(batches)
+            self.step += 1
+            history.append(m)
+            if self.step % t.log_every == 0 or self.step == end:
+                self.log.scalars(self.step, self._reduce_metrics(history))
+                history = []
+            self.log.advance(self.step)
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+                last_eval = self.evaluate()
+                self.log.scalars(self.step, last_eval)
+            if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end:  # and always the last
+                self.save()
+        self.log.stop_progress()
+        if not last_eval and t.eval_every:
+            last_eval = self.evaluate()
+        summary = {"step": self.step, **self.log.last, **last_eval}
+        summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
+        summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
+        self.log.finish(summary)
+        return summary
+
+    def _reduce_metrics(self, history: list[dict]) -> dict:
+        """Averages over the steps since the last log, over ranks (loss) or of the slowest rank (time)."""
+        n = len(history)
+        loss = torch.stack([h["loss"] for h in history]).mean().reshape(1)
+        comm.all_reduce(loss)
+        step_s = sum(h["step_s"] for h in history) / n
+        times = torch.tensor([step_s], dtype=torch.float64, device=self.ctx.device)
+        comm.all_reduce(times, op=comm.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        step_s = times.item()
+        samples_s = self.global_batch / step_s
+        out = {
+            "train/loss": loss.item() / self.ctx.world_size,
+            "grad_norm": history[-1]["grad_norm"].item(),
+            "lr": self.scheduler.get_last_lr()[0],
+            "time/step_s": step_s,
+            "time/data_s": sum(h["data_s"] for h in history) / n,
+            "time/compute_s": sum(h["compute_s"] for h in history) / n,
+            "throughput/samples_per_s": samples_s,
+            "throughput/samples_per_s_per_rank": samples_s / self.ctx.world_size,
+            "memory/model_state_bytes": self.strategy.memory_report()["total"],
+            "memory/peak_bytes": peak_memory_bytes(self.ctx.device),
+        }
+        if history[-1]["comm_s"] is not None:
+            out["time/exposed_comm_s"] = sum(h["comm_s"] for h in history) / n
+            out["comm/bytes_per_step"] = sum(h["comm_bytes"] for h in history) / n
+        if self.is_text:
+            tokens_s = samples_s * self.tokens_per_sample
+            out["throughput/tokens_per_s"] = tokens_s
+            out["throughput/tokens_per_s_per_rank"] = tokens_s / self.ctx.world_size
+            peak = float(self.cfg.trainer.peak_tflops) * 1e12 * self.ctx.world_size
+            out["mfu"] = self.flops_per_token * tokens_s / peak
+        return out
+
+    def close(self) -> None:
+        self.log.close()

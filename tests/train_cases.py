@@ -1,0 +1,80 @@
+"""Small trainer configs composed from the real configs/ (Hydra's compose API), and rank functions.
+
+`tiny(...)` is the default config shrunk to seconds: a 2-layer GPT on 200 kB of stdlib
+text, 4 samples per micro-batch, no progress bar. Rank functions run on the RankPool.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+RECIPE = ROOT / "recipes" / "train.py"
+PYTHON = sys.executable
+
+TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000"]
+TINY = [
+    "trainer.micro_batch_size=4", "trainer.max_steps=20", "trainer.eval_every=0", "trainer.eval_batches=2",
+    "trainer.ckpt_every=0", "trainer.log_every=5", "trainer.progress=false", "optim.warmup_steps=5",
+    "strategy.min_unit_params=1000",  # zero3 / native_fsdp: each GPT block is a unit
+]
+
+
+def tiny_overrides(*extra: str, strategy: str = "ddp") -> list[str]:
+    other_model = any(o.startswith(("model=", "data=")) for o in extra)
+    overrides = [f"strategy={strategy}", *([] if other_model else TINY_GPT), *TINY, *extra]
+    if strategy in ("ddp", "native_ddp", "native_zero1", "single"):
+        overrides = [o for o in overrides if not o.startswith("strategy.min_unit_params")]
+    return overrides
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides)
+
+
+def tiny(*extra: str, strategy: str = "ddp") -> dict:
+    return OmegaConf.to_container(compose_cfg(tiny_overrides(*extra, strategy=strategy)), resolve=True)
+
+
+def train_on_rank(cfg_dict: dict, run_dir: str, resume_from: str | None = None) -> dict:
+    """Run the Trainer on this pool rank (the process group already exists); return a summary
+    plus the final full state_dict (rank 0)."""
+    from minidist.train.trainer import Trainer
+
+    trainer = Trainer(OmegaConf.create(cfg_dict), run_dir, resume_from=resume_from)
+    try:
+        summary = trainer.fit()
+        summary["full_state"] = trainer.strategy.full_state_dict()
+        return summary
+    finally:
+        trainer.close()
+
+
+def load_everything(ckpt: Path) -> dict:
+    """Every file of a checkpoint except meta.pt, loaded: name -> object (for bitwise comparison)."""
+    return {f.name: torch.load(f, map_location="cpu", weights_only=False)
+            for f in sorted(ckpt.iterdir()) if f.name != "meta.pt"}
+
+
+def assert_same(a, b, where: str = "") -> None:
+    """Recursive bitwise equality of nested tensors / containers / scalars."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype, where
+        assert torch.equal(a, b), f"{where}: max difference {(a.double() - b.double()).abs().max().item()}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)[:5]} vs {list(b)[:5]}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{k}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
