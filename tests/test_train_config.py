@@ -1,0 +1,55 @@
+"""Every config error stops before any work with one line naming the key and the fix."""
+
+import pytest
+import torch
+
+from minidist.train.config_check import validate
+from minidist.train.errors import ConfigError
+from minidist.train.launch_train import local_nproc
+from train_cases import compose_cfg, tiny_overrides
+
+CASES = [
+    # (overrides, world size, a pattern the message must contain)
+    (["strategy.name=zero9"], 2, r"strategy='zero9' is unknown"),
+    (["trainer.global_batch_size=30"], 2, r"trainer.global_batch_size=30 .* multiple of .* = 8"),
+    (["data=text_file", "data.path=/no/such/corpus"], 2, r"data.path='/no/such/corpus' does not exist"),
+    (["data=fake_images", "model=mlp", "data.train_size=6"], 2, r"6 training samples.*trainer.micro_batch_size"),
+    (["trainer.precision=fp16"], 2, r"trainer.precision=fp16 needs a CUDA GPU.*bf16"),
+    (["trainer.precision=fp32x"], 2, r"trainer.precision='fp32x'"),
+    (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
+    (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
+    (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),
+    (["data=cifar10", "model=resnet18", "data.root=/no/such/root"], 2, r"data.root='/no/such/root' has no cifar10"),
+    (["trainer.resume=/no/such/ckpt"], 2, r"trainer.resume='/no/such/ckpt' is not a folder"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fp16 case expects a machine without CUDA")
+@pytest.mark.parametrize("overrides,world,pattern", CASES, ids=[c[2][:30] for c in CASES])
+def test_config_errors(overrides, world, pattern, tmp_path):
+    cfg = compose_cfg(tiny_overrides(*overrides))
+    with pytest.raises(ConfigError, match=pattern):
+        validate(cfg, world, tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_single_needs_one_rank(tmp_path):
+    with pytest.raises(ConfigError, match="strategy=single runs on one rank.*launcher.nproc=1"):
+        validate(compose_cfg(tiny_overrides(strategy="single")), 2, tmp_path)
+
+
+def test_fp16_refused_with_sharded_gradients(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = compose_cfg(tiny_overrides("trainer.precision=fp16", strategy="zero2"))
+    with pytest.raises(ConfigError, match="fp16 with strategy=zero2"):
+        validate(cfg, 2, tmp_path)
+
+
+def test_nproc_must_be_positive():
+    with pytest.raises(ConfigError, match="launcher.nproc=0"):
+        local_nproc(compose_cfg(["launcher.nproc=0"]).launcher)
+    assert local_nproc(compose_cfg(["launcher.backend=gloo"]).launcher) == 2  # auto on CPU: cpu_nproc
+
+
+def test_the_good_default_passes(tmp_path):
+    assert validate(compose_cfg([]), 2, tmp_path) is None

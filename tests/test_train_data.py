@@ -1,0 +1,149 @@
+"""The trainer's data: every data set loads through its real code (torchvision's for images, on
+files written here in the real on-disk formats), and every rank gets its own disjoint shard."""
+
+import os
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from minidist.train.data import ShardedBatchSampler, build_datasets, collate, stdlib_files, train_size
+from minidist.train.errors import ConfigError
+
+
+def write_cifar10(root, n_train=50, n_test=20):
+    """CIFAR-10's python format: pickled dicts of uint8 rows (3x32x32) and labels."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    per = n_train // 5
+    for name, n in [(f"data_batch_{k}", per) for k in range(1, 6)] + [("test_batch", n_test)]:
+        entry = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8), "labels": rng.integers(0, 10, n).tolist()}
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{k}" for k in range(10)]}, f)
+    return 5 * per
+
+
+def write_mnist(root, n_train=40, n_test=12):
+    """MNIST's idx format: big-endian magic number and sizes, then uint8 pixels / labels."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, 28, 28) + rng.integers(0, 256, n * 784, dtype=np.uint8).tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(
+            struct.pack(">II", 2049, n) + rng.integers(0, 10, n, dtype=np.uint8).tobytes())
+    return n_train
+
+
+@pytest.fixture
+def cifar_without_md5(monkeypatch):
+    # torchvision checks each CIFAR file against the real data set's MD5, which files written
+    # here cannot match; everything else (unpickling, reshaping, transforms) is torchvision's own.
+    import torchvision.datasets.cifar as cifar
+
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+
+
+def data_cfg(**kw):
+    return OmegaConf.create(kw)
+
+
+def all_sets(tmp_path):
+    """(name, config, expected number of training samples or None) for every data set."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world\n" * 400)
+    (corpus / "b.txt").write_text("the quick brown fox\n" * 300)
+    (corpus / ".hidden").write_text("never read")
+    n_cifar = write_cifar10(tmp_path / "cifar")
+    n_mnist = write_mnist(tmp_path / "mnist")
+    return [
+        ("stdlib_text", data_cfg(name="stdlib_text", max_bytes=20000, val_fraction=0.1), None),
+        ("text_file", data_cfg(name="text_file", path=str(corpus), max_bytes=None, val_fraction=0.1), None),
+        ("cifar10", data_cfg(name="cifar10", root=str(tmp_path / "cifar"), download=False), n_cifar),
+        ("mnist", data_cfg(name="mnist", root=str(tmp_path / "mnist"), download=False), n_mnist),
+        ("fake_images", data_cfg(name="fake_images", train_size=30, val_size=8, image_size=16, num_classes=4), 30),
+    ]
+
+
+def test_every_data_set_loads_and_shards(tmp_path, cifar_without_md5):
+    for name, cfg, expected in all_sets(tmp_path):
+        train, val, info = build_datasets(cfg, block_size=16)
+        if expected is not None:
+            assert len(train) == expected, name
+        assert len(val) > 0, name
+        x, y = collate(train, [0, 1])
+        if info.kind == "text":
+            assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1]), name  # y is x shifted by one
+        else:
+            assert x.shape == (2, info.channels, info.image_size, info.image_size), name
+            assert y.dtype == torch.int64 and y.shape == (2,), name
+        for world in (1, 2, 3):
+            shards = [ShardedBatchSampler(len(train), r, world, micro_batch_size=2, seed=5) for r in range(world)]
+            per_rank = [[i for b in _one_epoch(s) for i in b] for s in shards]
+            seen = [i for mine in per_rank for i in mine]
+            assert len(seen) == len(set(seen)), f"{name}: a sample appears twice in an epoch at world {world}"
+            assert len({len(m) for m in per_rank}) == 1, f"{name}: ranks got different amounts"
+            assert len(train) - len(seen) < world * 2, f"{name}: more left out than one global batch"
+        if name not in ("cifar10", "mnist"):  # those are estimated from the real sets' sizes
+            assert train_size(cfg, 16) in (len(train), len(train) - 1), name  # the cheap estimate agrees
+
+
+def _one_epoch(sampler):
+    it = iter(sampler)
+    return [next(it) for _ in range(sampler.batches_per_epoch)]
+
+
+def test_stdlib_text_is_the_standard_library_in_sorted_order():
+    files = stdlib_files()
+    assert files == sorted(files) and len(files) > 100
+    assert not any("site-packages" in f.parts for f in files)
+    train, val, _ = build_datasets(data_cfg(name="stdlib_text", max_bytes=50000, val_fraction=0.1), 64)
+    assert bytes(train.tokens[:200].tolist()) == files[0].read_bytes()[:200]
+    assert len(train.tokens) + len(val.tokens) == 50000
+
+
+def test_text_file_skips_hidden_files(tmp_path):
+    (tmp_path / "a.txt").write_text("abc" * 50)
+    (tmp_path / ".secret").write_text("zzz" * 50)
+    train, _, _ = build_datasets(data_cfg(name="text_file", path=str(tmp_path), max_bytes=None, val_fraction=0.1), 8)
+    assert b"z" not in bytes(train.tokens.tolist())
+
+
+def test_sampler_resumes_mid_epoch_with_the_same_batches():
+    a = ShardedBatchSampler(100, rank=1, world_size=3, micro_batch_size=4, seed=0)
+    it = iter(a)
+    straight = [next(it) for _ in range(20)]  # crosses an epoch boundary (8 batches per epoch)
+    b = ShardedBatchSampler(100, rank=1, world_size=3, micro_batch_size=4, seed=0)
+    it = iter(b)
+    first = [next(it) for _ in range(11)]
+    state = b.state_dict()
+    c = ShardedBatchSampler(100, rank=1, world_size=3, micro_batch_size=4, seed=0)
+    c.load_state_dict(state)
+    it = iter(c)
+    assert first + [next(it) for _ in range(9)] == straight
+    assert a.epoch_indices(0) != a.epoch_indices(1)  # reshuffled each epoch
+
+
+def test_sampler_refuses_a_position_from_other_settings():
+    state = ShardedBatchSampler(100, 0, 2, 4, seed=0).state_dict()
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        ShardedBatchSampler(100, 0, 2, 8, seed=0).load_state_dict(state)
+
+
+def test_missing_image_files_say_where_they_go(tmp_path):
+    for name in ("cifar10", "mnist"):
+        with pytest.raises(ConfigError, match=r"data.root=.*download=true"):
+            build_datasets(data_cfg(name=name, root=str(tmp_path / "nothing"), download=False), 16)
+
+
+def test_too_few_samples_for_the_ranks():
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        ShardedBatchSampler(7, 0, 4, 2, seed=0)

@@ -1,0 +1,145 @@
+"""recipes/train.py as a user runs it: self-launched, under torchrun, swept with --multirun;
+config errors from the command line; consolidation; a kill while saving."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from minidist.train.checkpoint import consolidate, latest_checkpoint, list_checkpoints
+from test_train_data import write_mnist
+from train_cases import PYTHON, RECIPE, ROOT, tiny_overrides
+
+TIMEOUT_S = 240
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(args: list[str], timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def train(*overrides: str, strategy: str = "ddp", nproc: int = 2) -> subprocess.CompletedProcess:
+    return run([PYTHON, str(RECIPE), f"launcher.nproc={nproc}", *tiny_overrides(*overrides, strategy=strategy)])
+
+
+def files_under(d: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
+
+
+def test_self_launched_on_mnist_files(tmp_path):
+    write_mnist(tmp_path / "data", n_train=64, n_test=16)
+    run_dir = tmp_path / "run"
+    out = train("model=mlp", "data=mnist", f"data.root={tmp_path / 'data'}", "trainer.max_steps=6",
+                "trainer.eval_every=3", f"hydra.run.dir={run_dir}", strategy="zero3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("zero3: mlp") == 1, out.stdout  # the header, from rank 0 only
+    assert "val accuracy" in out.stdout and f"tensorboard --logdir {run_dir / 'tensorboard'}" in out.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "tensorboard"]
+    assert (run_dir / "logs" / "rank_0.log").is_file() and (run_dir / "logs" / "rank_1.log").is_file()
+    assert "val/accuracy" in (run_dir / "logs" / "rank_1.log").read_text()
+    assert list(run_dir.glob("tensorboard/events.out.tfevents.*"))
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000006"]
+
+    # The same command again continues (resume=auto): nothing left to do at max_steps, no new checkpoint.
+    before = files_under(run_dir / "checkpoints")
+    again = train("model=mlp", "data=mnist", f"data.root={tmp_path / 'data'}", "trainer.max_steps=8",
+                  f"hydra.run.dir={run_dir}", strategy="zero3")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "step_00000006" in again.stdout
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000006", "step_00000008"]
+    assert all(p in files_under(run_dir / "checkpoints") for p in before)
+
+
+def test_torchrun_ranks_share_one_run_directory(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    run_dir = tmp_path / "tr"
+    out = run([str(torchrun), "--nproc_per_node", "2", "--standalone", str(RECIPE),
+               *tiny_overrides("trainer.max_steps=4", f"hydra.run.dir={run_dir}", strategy="native_fsdp")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("native_fsdp: gpt") == 1
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004"]
+    assert consolidate(latest_checkpoint(run_dir))  # a full state_dict
+
+
+def test_multirun_sweeps_two_strategies(tmp_path):
+    sweep = tmp_path / "sweep"
+    out = run([PYTHON, str(RECIPE), "-m", "launcher.nproc=2", *tiny_overrides("trainer.max_steps=3"),
+               "strategy=ddp,zero2", f"hydra.sweep.dir={sweep}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job, strategy in (("0", "ddp"), ("1", "zero2")):
+        assert f"strategy:\n  name: {strategy}" in (sweep / job / "config.yaml").read_text()
+        assert [c.name for c in list_checkpoints(sweep / job)] == ["step_00000003"]
+
+
+def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    ok = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    before = files_under(run_dir)
+    bad = [
+        (["model.n_embd=48"], "trainer.resume: .* holds model"),
+        (["trainer.resume=none"], "already holds checkpoints and trainer.resume=none"),
+        (["trainer.precision=fp16"], "trainer.precision=fp16"),
+    ]
+    import re
+    for overrides, pattern in bad:
+        out = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", *overrides)
+        assert out.returncode == 2, (overrides, out.stderr[-2000:])
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(pattern, lines[0]), out.stderr
+    assert files_under(run_dir) == before  # nothing written over the existing run
+    unknown = train("strategy=zero9")  # Hydra's own message names the group and its options
+    assert unknown.returncode != 0 and "strategy" in unknown.stderr and "zero3" in unknown.stderr
+
+
+def test_consolidate_command(tmp_path):
+    run_dir = tmp_path / "run"
+    assert train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", strategy="zero2").returncode == 0
+    ckpt = latest_checkpoint(run_dir)
+    out_file = tmp_path / "full.pt"
+    out = run([PYTHON, "-m", "minidist.checkpoint", "consolidate", str(ckpt), str(out_file)])
+    assert out.returncode == 0, out.stderr
+    state = torch.load(out_file)
+    assert "tok_emb.weight" in state and torch.equal(state["tok_emb.weight"], state["head.weight"])  # tied
+    again = run([PYTHON, "-m", "minidist.checkpoint", "consolidate", str(ckpt), str(out_file)])
+    assert again.returncode == 2 and "exists" in again.stderr  # never overwrites
+
+
+KILL_WHILE_SAVING = textwrap.dedent("""
+    import os, sys, torch
+    sys.path.insert(0, {tests!r})
+    from omegaconf import OmegaConf
+    from train_cases import tiny
+    from minidist.train import checkpoint
+    from minidist.train.trainer import Trainer
+
+    cfg = OmegaConf.create(tiny("trainer.ckpt_every=2", "trainer.max_steps=6", strategy="single"))
+    trainer = Trainer(cfg, {run_dir!r})
+    real_save, calls = torch.save, []
+    def dying_save(obj, f, *a, **k):  # the second checkpoint dies after its first file
+        real_save(obj, f, *a, **k)
+        calls.append(f)
+        if ".step_00000004.tmp" in str(f):
+            os._exit(9)
+    checkpoint.torch.save = dying_save
+    trainer.fit()
+""")
+
+
+def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    run_dir = tmp_path / "run"
+    script = KILL_WHILE_SAVING.format(tests=str(ROOT / "tests"), run_dir=str(run_dir))
+    out = run([PYTHON, "-c", script])
+    assert out.returncode == 9, out.stderr[-3000:]
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000002"]  # the complete one only
+    assert (run_dir / "checkpoints" / ".step_00000004.tmp").is_dir()  # the partial one, never listed
+    resumed = train("trainer.ckpt_every=2", "trainer.max_steps=6", f"hydra.run.dir={run_dir}", nproc=1,
+                    strategy="single")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
+    assert not (run_dir / "checkpoints" / ".step_00000004.tmp").exists()  # cleaned by the next save
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006"]
