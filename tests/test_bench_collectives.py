@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_small_sweep_writes_every_output(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "recipes/bench_collectives.py", "nproc=2", "max_bytes=4096", "iters=2",
-           "warmup=1", "repeats=2", f"out_dir={out}"]
+           "warmup=1", "repeats=2", f"hydra.run.dir={out}"]  # the run directory holds every output
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_small_sweep_writes_every_output(tmp_path):
 
 def test_unknown_op_is_refused_with_the_choices(tmp_path):
     cmd = [sys.executable, "recipes/bench_collectives.py", "nproc=2", "ops=[all_to_nowhere]",
-           f"out_dir={tmp_path}"]
+           f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_benchmark_reports_every_variant(tmp_path):
-    out = tmp_path / "ddp.json"
+    out = tmp_path / "results.json"  # written into the run directory
     cmd = [sys.executable, "recipes/bench_ddp.py", "warmup=1", "steps=2", "gpt.n_layer=1", "gpt.n_embd=32",
-           "gpt.n_head=2", "gpt.vocab_size=128", "gpt.block_size=16", "resnet.batch=2", f"out={out}"]
+           "gpt.n_head=2", "gpt.vocab_size=128", "gpt.block_size=16", "resnet.batch=2", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -27,7 +27,8 @@ def test_tiny_benchmark_reports_every_variant(tmp_path):
     assert "ours/native" in proc.stdout
 
 
-def test_unknown_variant_is_refused():
-    proc = subprocess.run([sys.executable, "recipes/bench_ddp.py", "variants=[turbo]"], cwd=ROOT,
+def test_unknown_variant_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "recipes/bench_ddp.py", "variants=[turbo]", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown variants ['turbo']" in proc.stdout + proc.stderr

@@ -10,9 +10,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_benchmark_reports_every_variant(tmp_path):
-    out = tmp_path / "zero.json"
+    out = tmp_path / "results.json"  # written into the run directory
     cmd = [sys.executable, "recipes/bench_zero.py", "warmup=1", "steps=2", "gpt.n_layer=2", "gpt.n_embd=32",
-           "gpt.n_head=2", "gpt.vocab_size=128", "gpt.block_size=16", "min_unit_params=1000", f"out={out}"]
+           "gpt.n_head=2", "gpt.vocab_size=128", "gpt.block_size=16", "min_unit_params=1000", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
