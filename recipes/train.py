@@ -11,6 +11,7 @@ Everything (logs, TensorBoard, checkpoints, config.yaml) lands in the run direct
 outputs/train/DATE/TIME unless hydra.run.dir says otherwise. Configuration: configs/train.yaml.
 """
 
+import os
 import sys
 
 import hydra
@@ -28,4 +29,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        sys.argv.append("hydra/hydra_logging=disabled")  # Hydra's own lines come from rank 0 only
     main()

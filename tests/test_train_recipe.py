@@ -54,25 +54,34 @@ def test_self_launched_on_mnist_files(tmp_path):
     assert all(p in files_under(run_dir / "checkpoints") for p in before)
 
 
-def test_torchrun_ranks_share_one_run_directory(tmp_path):
+ALL_BUT_SINGLE = "ddp,zero1,zero2,zero3,native_ddp,native_zero1,native_fsdp"
+SWEEP = ["trainer.max_steps=3", "++strategy.min_unit_params=1000", f"strategy={ALL_BUT_SINGLE}"]
+
+
+def check_sweep(sweep: Path, out: subprocess.CompletedProcess) -> None:
+    assert out.returncode == 0, out.stderr[-3000:]
+    for job, strategy in enumerate(ALL_BUT_SINGLE.split(",")):
+        assert f"strategy:\n  name: {strategy}" in (sweep / str(job) / "config.yaml").read_text()
+        assert [c.name for c in list_checkpoints(sweep / str(job))] == ["step_00000003"], strategy
+    assert out.stdout.count("summary\n") == 7  # one per job, from rank 0
+
+
+def test_every_strategy_under_torchrun_in_one_sweep(tmp_path):
+    """torchrun starts the ranks once; Hydra's sweep runs each strategy's job on them in turn."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    run_dir = tmp_path / "tr"
-    out = run([str(torchrun), "--nproc_per_node", "2", "--standalone", str(RECIPE),
-               *tiny_overrides("trainer.max_steps=4", f"hydra.run.dir={run_dir}", strategy="native_fsdp")])
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("native_fsdp: gpt") == 1
-    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004"]
-    assert consolidate(latest_checkpoint(run_dir))  # a full state_dict
-
-
-def test_multirun_sweeps_two_strategies(tmp_path):
     sweep = tmp_path / "sweep"
-    out = run([PYTHON, str(RECIPE), "-m", "launcher.nproc=2", *tiny_overrides("trainer.max_steps=3"),
-               "strategy=ddp,zero2", f"hydra.sweep.dir={sweep}"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    for job, strategy in (("0", "ddp"), ("1", "zero2")):
-        assert f"strategy:\n  name: {strategy}" in (sweep / job / "config.yaml").read_text()
-        assert [c.name for c in list_checkpoints(sweep / job)] == ["step_00000003"]
+    out = run([str(torchrun), "--nproc_per_node", "2", "--standalone", str(RECIPE), "-m",
+               *tiny_overrides(*SWEEP), f"hydra.sweep.dir={sweep}"])
+    check_sweep(sweep, out)
+    assert out.stdout.count("Launching 7 jobs locally") + out.stderr.count("Launching 7 jobs locally") == 1
+    assert consolidate(latest_checkpoint(sweep / "6"))  # native_fsdp: a full state_dict
+
+
+def test_every_strategy_self_launched_in_one_sweep(tmp_path):
+    """Each job of the sweep starts its own 2 local ranks."""
+    sweep = tmp_path / "sweep"
+    out = run([PYTHON, str(RECIPE), "-m", "launcher.nproc=2", *tiny_overrides(*SWEEP), f"hydra.sweep.dir={sweep}"])
+    check_sweep(sweep, out)
 
 
 def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
@@ -143,3 +152,27 @@ def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(tmp_path):
     assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
     assert not (run_dir / "checkpoints" / ".step_00000004.tmp").exists()  # cleaned by the next save
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006"]
+
+
+def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
+    """Two torchrun agents (two "nodes" of one rank each) meet at a c10d rendezvous on 127.0.0.1."""
+    from minidist.dist import free_port
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    endpoint = f"127.0.0.1:{free_port()}"
+    run_dir = tmp_path / "run"
+    cmd = [str(torchrun), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", "minidist-test", "--rdzv-conf", "join_timeout=60", str(RECIPE),
+           *tiny_overrides("trainer.max_steps=4", f"hydra.run.dir={run_dir}", strategy="zero2")]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
+    finally:
+        for node in nodes:  # never leave an agent waiting for its peer
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outs]
+    assert sum(out.count("zero2: gpt") for out, _ in outs) == 1  # one rank 0 among the two nodes
+    assert "2 rank(s)" in "".join(out for out, _ in outs)
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004"]
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == ["rank_0.log", "rank_1.log"]

@@ -9,6 +9,8 @@ any rank starts or anything is written.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -55,19 +57,30 @@ def agree_on_run_dir(run_dir: Path, ctx) -> Path:
     return chosen
 
 
-def quiet_unless_rank0(run_dir: Path, rank: int) -> None:
-    """Ranks other than 0 send stdout and stderr (Python's and native code's) to their log file."""
+@contextlib.contextmanager
+def quiet_unless_rank0(run_dir: Path, rank: int):
+    """Ranks other than 0 send stdout and stderr (Python's and native code's) to their log
+    folder while the run lasts; rank 0 keeps the console."""
     if rank == 0:
+        yield
         return
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    out = open(run_dir / "logs" / f"rank_{rank}.console", "a", buffering=1)
     sys.stdout.flush(), sys.stderr.flush()
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
+    saved = os.dup(1), os.dup(2)
+    with open(run_dir / "logs" / f"rank_{rank}.console", "a", buffering=1) as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0]), os.close(saved[1])
 
 
 def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
-    """One rank's whole run: init, train, shut down. Returns the run's summary."""
+    """One rank's whole run: init, train, close. Returns the run's summary."""
     import torch
 
     import minidist
@@ -76,14 +89,24 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
-    path = agree_on_run_dir(Path(run_dir), ctx)
-    quiet_unless_rank0(path, ctx.rank)
-    trainer = Trainer(cfg, path, resume_from=resume_from)
     try:
-        return trainer.fit()
+        path = agree_on_run_dir(Path(run_dir), ctx)
+        with quiet_unless_rank0(path, ctx.rank):
+            trainer = Trainer(cfg, path, resume_from=resume_from)
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
     finally:
-        trainer.close()
-        minidist.shutdown()
+        if under_launcher():
+            # The process outlives this run (a --multirun sweep runs its jobs one after the
+            # other): keep the process group, whose rendezvous cannot be repeated under
+            # torchrun's store, and destroy it when the process exits.
+            if not getattr(run_rank, "_shutdown_registered", False):
+                atexit.register(minidist.shutdown)
+                run_rank._shutdown_registered = True
+        else:
+            minidist.shutdown()
 
 
 def launch(cfg, run_dir: str | Path) -> int:
