@@ -6,7 +6,7 @@ import torch
 from minidist.train.config_check import validate
 from minidist.train.errors import ConfigError
 from minidist.train.launch_train import local_nproc
-from train_cases import compose_cfg, tiny_overrides
+from train_cases import CONFIGS, compose_cfg, tiny_overrides
 
 CASES = [
     # (overrides, world size, a pattern the message must contain)
@@ -53,3 +53,12 @@ def test_nproc_must_be_positive():
 
 def test_the_good_default_passes(tmp_path):
     assert validate(compose_cfg([]), 2, tmp_path) is None
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")))
+def test_experiment_presets_compose(experiment, tmp_path):
+    first = (CONFIGS / "experiment" / f"{experiment}.yaml").read_text().splitlines()
+    assert first[0].startswith("# ") and any("python recipes/train.py" in line for line in first[:4])
+    cfg = compose_cfg([f"experiment={experiment}"])
+    if cfg.data.name not in ("cifar10", "mnist"):  # those need their files
+        validate(cfg, 2, tmp_path)
