@@ -154,25 +154,45 @@ def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(tmp_path):
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006"]
 
 
+def start_ranks(cmd: list[str], envs: list[dict]) -> list[tuple[str, str]]:
+    """Start one process per environment, wait for all; kill any left if one hangs."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for env in envs]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:  # never leave a rank waiting for its peer
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    return outs
+
+
 def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
-    """Two torchrun agents (two "nodes" of one rank each) meet at a c10d rendezvous on 127.0.0.1."""
+    """scripts/multinode_train.sh on two "machines" of one rank each, meeting on 127.0.0.1."""
     from minidist.dist import free_port
 
-    torchrun = Path(sys.executable).parent / "torchrun"
-    endpoint = f"127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
-    cmd = [str(torchrun), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", endpoint, "--rdzv-id", "minidist-test", "--rdzv-conf", "join_timeout=60", str(RECIPE),
-           *tiny_overrides("trainer.max_steps=4", f"hydra.run.dir={run_dir}", strategy="zero2")]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    try:
-        outs = [node.communicate(timeout=TIMEOUT_S) for node in nodes]
-    finally:
-        for node in nodes:  # never leave an agent waiting for its peer
-            node.kill()
-    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outs]
+    env = {"MASTER": f"127.0.0.1:{free_port()}", "NNODES": "2", "NPROC_PER_NODE": "1",
+           "TORCHRUN": str(Path(sys.executable).parent / "torchrun"), "RDZV_ID": "minidist-test"}
+    outs = start_ranks(["bash", "scripts/multinode_train.sh",
+                        *tiny_overrides("trainer.max_steps=4", f"hydra.run.dir={run_dir}", strategy="zero2")],
+                       [env, env])
     assert sum(out.count("zero2: gpt") for out, _ in outs) == 1  # one rank 0 among the two nodes
     assert "2 rank(s)" in "".join(out for out, _ in outs)
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004"]
     assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == ["rank_0.log", "rank_1.log"]
+
+
+def test_srun_style_launch_reads_slurm_variables(tmp_path):
+    """What `srun --ntasks=2 python recipes/train.py` gives each task: SLURM's variables, no torchrun."""
+    from minidist.dist import free_port
+
+    port, run_dir = str(free_port()), tmp_path / "run"
+    envs = [{"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NTASKS": "2", "SLURM_NNODES": "1",
+             "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "localhost", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port} for r in range(2)]
+    outs = start_ranks([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=3", f"hydra.run.dir={run_dir}")],
+                       envs)
+    assert outs[0][0].count("ddp: gpt") == 1 and "ddp: gpt" not in outs[1][0]
+    assert "2 rank(s)" in outs[0][0]
+    assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000003"]

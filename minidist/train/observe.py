@@ -54,8 +54,9 @@ class RunLog:
         if self.main and self.cfg.trainer.progress:
             from tqdm.auto import tqdm
 
+            # Into a file or pipe, every 30 s instead of ten times a second: a log, not an animation.
             self.bar = tqdm(total=total, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+                            file=sys.stderr, mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
     def advance(self, step: int) -> None:
         if self.bar is not None:
