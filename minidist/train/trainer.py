@@ -211,13 +211,13 @@ class Trainer:
                 self.log.scalars(self.step, self._reduce_metrics(history))
                 history = []
             self.log.advance(self.step)
-            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.max_steps):
+            if t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end):
                 last_eval = self.evaluate()
                 self.log.scalars(self.step, last_eval)
             if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end:  # and always the last
                 self.save()
         self.log.stop_progress()
-        if not last_eval and t.eval_every:
+        if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval}
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
