@@ -3,6 +3,8 @@
 #   1. the primitives tour on nccl, one rank per GPU
 #   2. the collective benchmark on nccl, one rank per GPU
 #   3. the GPU-capable tests (tests/test_gpu.py; more join as issues add them)
+#   4. the trainer on nccl, one rank per GPU: every strategy in bf16 (a sweep), ddp in fp16 with
+#      the gradient scaler, and the default run (its final validation loss is in the summary)
 # Uses .venv when present, else the machine's python3 (PYTHONPATH points at this checkout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,12 @@ run $PY -m torch.distributed.run --standalone --nproc_per_node "$NGPU" recipes/t
 run $PY -m torch.distributed.run --standalone --nproc_per_node "$NGPU" recipes/bench_collectives.py \
     backend=nccl max_bytes=${BENCH_MAX_BYTES:-268435456} out_dir="$OUT_DIR/bench_collectives"
 run $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py ${GPU_TESTS:-}
+run $PY recipes/train.py -m strategy=ddp,zero1,zero2,zero3,native_ddp,native_zero1,native_fsdp \
+    trainer.precision=bf16 trainer.max_steps=30 trainer.eval_every=0 trainer.progress=false \
+    hydra.sweep.dir="$OUT_DIR/train_sweep_bf16"
+run $PY recipes/train.py strategy=ddp trainer.precision=fp16 trainer.max_steps=30 trainer.progress=false \
+    hydra.run.dir="$OUT_DIR/train_fp16"
+run $PY recipes/train.py trainer.progress=false hydra.run.dir="$OUT_DIR/train_default"
 
 echo; [ $status -eq 0 ] && echo "gpu_check: all passed" || echo "gpu_check: SOME CHECKS FAILED"
 exit $status
