@@ -52,6 +52,7 @@ def train_on_rank(cfg_dict: dict, run_dir: str, resume_from: str | None = None) 
     try:
         summary = trainer.fit()
         summary["full_state"] = trainer.strategy.full_state_dict()
+        summary["buffers"] = {k: v.detach().cpu().clone() for k, v in trainer.net.named_buffers()}  # this rank's
         return summary
     finally:
         trainer.close()

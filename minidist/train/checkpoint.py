@@ -2,7 +2,8 @@
 
     <run dir>/checkpoints/step_00000100/
         meta.pt              step, strategy, world size, config, scheduler, scaler, data position
-        rng_rank00000.pt     each rank's RNG states
+        rank00000.pt         each rank's own state: RNG states and buffers (BatchNorm statistics are
+                             rank-local where a strategy does not broadcast them, e.g. fully_shard)
         model.pt, optimizer.pt            full strategies (single, ddp, native_*): rank 0 writes
         shard_rank00000.pt ..., layout.pt sharded strategies (zero1/2/3): every rank writes its shard
 
@@ -61,6 +62,22 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
+def rank_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"rank{rank:05d}.pt"
+
+
+def rank_state(module) -> dict:
+    """What differs between ranks and the model/optimizer files do not hold: RNG and buffers."""
+    return {"rng": rng_state(), "buffers": {k: v.detach().cpu().clone() for k, v in module.named_buffers()}}
+
+
+def load_rank_state(state: dict, module) -> None:
+    set_rng_state(state["rng"])
+    with torch.no_grad():
+        for key, value in module.named_buffers():
+            value.copy_(state["buffers"][key])
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -88,7 +105,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         tmp.mkdir()
     comm.barrier()
     strategy.save(tmp)
-    torch.save(rng_state(), tmp / f"rng_rank{rank:05d}.pt")
+    torch.save(rank_state(strategy.net), rank_path(tmp, rank))
     if rank == 0:
         torch.save({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
     comm.barrier()  # every rank's files are on disk
@@ -103,11 +120,10 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
 
 
 def load_checkpoint(ckpt: Path, strategy) -> dict:
-    """Restore model, optimizer and this rank's RNG from `ckpt`; return its meta for the rest."""
+    """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
     meta = read_meta(ckpt)
     strategy.load(Path(ckpt), meta["world_size"])
-    rng_file = Path(ckpt) / f"rng_rank{strategy.ctx.rank:05d}.pt"
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    load_rank_state(torch.load(rank_path(ckpt, strategy.ctx.rank), weights_only=False), strategy.net)
     return meta
 
 
