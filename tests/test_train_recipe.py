@@ -26,6 +26,19 @@ def train(*overrides: str, strategy: str = "ddp", nproc: int = 2) -> subprocess.
     return run([PYTHON, str(RECIPE), f"launcher.nproc={nproc}", *tiny_overrides(*overrides, strategy=strategy)])
 
 
+def tensorboard_tags(logdir: Path) -> dict:
+    """Scalar tags and whether an hparams summary was written, read back with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    try:
+        hparams = acc.PluginTagToContent("hparams")  # raises KeyError when none was written
+    except KeyError:
+        hparams = {}
+    return {"scalars": set(acc.Tags()["scalars"]), "hparams": bool(hparams)}
+
+
 def files_under(d: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
 
@@ -41,7 +54,12 @@ def test_self_launched_on_mnist_files(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "tensorboard"]
     assert (run_dir / "logs" / "rank_0.log").is_file() and (run_dir / "logs" / "rank_1.log").is_file()
     assert "val/accuracy" in (run_dir / "logs" / "rank_1.log").read_text()
-    assert list(run_dir.glob("tensorboard/events.out.tfevents.*"))
+    tags = tensorboard_tags(run_dir / "tensorboard")
+    for tag in ("train/loss", "val/loss", "val/accuracy", "lr", "grad_norm", "throughput/samples_per_s",
+                "throughput/samples_per_s_per_rank", "time/step_s", "time/data_s", "time/compute_s",
+                "time/exposed_comm_s", "comm/bytes_per_step", "memory/model_state_bytes", "memory/peak_bytes"):
+        assert tag in tags["scalars"], tag
+    assert tags["hparams"], "no hparams summary"
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000006"]
 
     # The same command again continues (resume=auto): nothing left to do at max_steps, no new checkpoint.
@@ -116,6 +134,12 @@ def test_consolidate_command(tmp_path):
     assert "tok_emb.weight" in state and torch.equal(state["tok_emb.weight"], state["head.weight"])  # tied
     again = run([PYTHON, "-m", "minidist.checkpoint", "consolidate", str(ckpt), str(out_file)])
     assert again.returncode == 2 and "exists" in again.stderr  # never overwrites
+
+    # trainer.resume=PATH continues that checkpoint in a new run directory.
+    branch = train("trainer.max_steps=4", f"trainer.resume={ckpt}", f"hydra.run.dir={tmp_path / 'branch'}",
+                   strategy="zero2")
+    assert branch.returncode == 0 and f"resumed from {ckpt} at step 2" in branch.stdout, branch.stderr[-2000:]
+    assert [c.name for c in list_checkpoints(tmp_path / "branch")] == ["step_00000004"]
 
 
 KILL_WHILE_SAVING = textwrap.dedent("""
