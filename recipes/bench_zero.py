@@ -18,7 +18,6 @@ gradient, before and after), above what was live before the variant was built.
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 
@@ -30,45 +29,29 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import PeakSampler, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
-from minidist.memory import live_tensor_bytes, measure
+from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
+from minidist.train.strategy import build_strategy
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp"]
 COUNTERPART = {"zero1": "native_zero1", "zero3": "native_fsdp"}
 
 
 class Variant:
-    """One strategy: forward callable, the step, and the tensors that make up its model state."""
+    """One strategy (the trainer's adapters, minidist/train/strategy.py) with its own copy of the model."""
 
     def __init__(self, name: str, cfg):
         torch.manual_seed(0)
         g = cfg.gpt
         self.net = GPT(vocab_size=g.vocab_size, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head,
                        n_embd=g.n_embd)
-        adamw = functools.partial(torch.optim.AdamW, lr=1e-4, weight_decay=0.1)
         self.name = name
-        if name == "ddp":
-            self.model = minidist.DataParallel(self.net, gradient_as_bucket_view=True)
-            self.opt = adamw(self.net.parameters())
-        elif name.startswith("zero"):
-            stage = int(name[-1])
-            kw = {"min_unit_params": int(cfg.min_unit_params)} if stage == 3 else {}
-            self.model = minidist.ShardedDataParallel(self.net, adamw, stage=stage, **kw)
-            self.opt = self.model.optimizer
-        elif name == "native_zero1":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            from torch.nn.parallel import DistributedDataParallel as DDP
-            self.model = DDP(self.net, gradient_as_bucket_view=True)
-            self.opt = ZeroRedundancyOptimizer(self.net.parameters(), optimizer_class=torch.optim.AdamW,
-                                               lr=1e-4, weight_decay=0.1)
-        elif name == "native_fsdp":
-            from torch.distributed.fsdp import fully_shard
-            for block in self.net.blocks:
-                fully_shard(block)
-            self.model = fully_shard(self.net)
-            self.opt = adamw(self.net.parameters())
-        else:
-            raise ValueError(name)
+        # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
+        options = OmegaConf.create({"name": name, "bucket_cap_mb": 25, "gradient_as_bucket_view": True,
+                                    "find_unused_parameters": False, "broadcast_buffers": True,
+                                    "min_unit_params": int(cfg.min_unit_params)})
+        self.strategy = build_strategy(options, minidist.init_distributed())
+        self.model, self.opt = self.strategy.wrap(self.net, torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
 
     def step(self, x, y, zero_grad: bool = True) -> None:
         GPT.loss(self.model(x), y).backward()
@@ -77,18 +60,10 @@ class Variant:
             self.opt.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        """Parameters, gradients and optimizer state held by this rank, from live storages."""
-        if self.name == "ddp":
-            return self.model.memory_report(self.opt)["total"]  # the gradients live in the buckets
-        if self.name.startswith("zero"):
-            report = self.model.memory_report()
-            return report["total"] - report["comm_buffers"]
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731 - DTensor shards
-        params = [local(p) for p in self.net.parameters()]
-        grads = [local(p.grad) for p in self.net.parameters() if p.grad is not None]
-        opt = self.opt.optim if hasattr(self.opt, "optim") else self.opt
-        states = [local(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        return measure({"p": params, "g": grads, "o": states})["total"]
+        """Parameters, gradients and optimizer state held by this rank, from live storages
+        (communication buffers apart; with bucket views DDP's gradients are its buckets)."""
+        report = self.strategy.memory_report()
+        return report["total"] - report.get("comm_buffers", 0)
 
 
 def batch(cfg, step: int, rank: int):

@@ -7,7 +7,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 
 from minidist.train.checkpoint import consolidate, latest_checkpoint, list_checkpoints

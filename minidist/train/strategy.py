@@ -202,13 +202,18 @@ class NativeDDP(Strategy):
     traces_comm = False
 
     def _ddp(self, net):
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # torch 2.14 renamed broadcast_buffers (same meaning for True); use the name this torch has.
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
         return DDP(net, device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
                    bucket_cap_mb=float(self.cfg.bucket_cap_mb),
                    gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
                    find_unused_parameters=bool(self.cfg.find_unused_parameters),
-                   broadcast_buffers=bool(self.cfg.broadcast_buffers))
+                   **{sync: bool(self.cfg.broadcast_buffers)})
 
     def _wrap(self, net, optim_cls, optim_kwargs):
         return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
