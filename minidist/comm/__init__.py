@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minidist.comm import ring
+
 ReduceOp = dist.ReduceOp
 
 # torch 2.14 renamed the flat-tensor collectives and deprecated the old names;
@@ -46,6 +48,7 @@ class CommRecord:
     issued: float         # perf_counter() when the call was made
     completed: float | None = None  # when it returned (sync) or wait() returned (async)
     sent_bytes: float = 0.0         # bytes this rank sends under the ring model
+    algorithm: str = "backend"      # "backend" (torch.distributed's collective) or "ring" (minidist.comm.ring)
     blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
 
     @property
@@ -125,13 +128,13 @@ class CommTracer:
 
 
 def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bool,
-            is_root: bool = False) -> CommRecord | None:
+            is_root: bool = False, algorithm: str = "backend") -> CommRecord | None:
     if not CommTracer._active:
         return None
     n = dist.get_world_size(group)
     rec = CommRecord(op=op, bytes=int(nbytes), dtype=str(dtype).replace("torch.", "") if dtype else "-",
                      group_size=n, async_op=async_op, issued=time.perf_counter(),
-                     sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root))
+                     sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root), algorithm=algorithm)
     for tracer in CommTracer._active:
         tracer.records.append(rec)
     return rec
@@ -175,6 +178,24 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
         rec.completed = time.perf_counter()
         rec.blocked_s = rec.completed - rec.issued
     return None
+
+
+ALGORITHMS = ("auto", "backend", "ring")
+# Where our send/recv ring measurably beats the backend (docs/benchmarks.md): gloo's
+# reduce_scatter and all_gather. gloo's all_reduce and every nccl collective stay.
+_RING_WINS = {"gloo": ("reduce_scatter", "all_gather")}
+
+
+def choose_algorithm(op: str, group, algorithm: str) -> str:
+    """Resolve "auto" for `op` on `group`'s backend; check that "ring" can run there."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
+    backend = dist.get_backend(group)
+    if algorithm == "auto":
+        return "ring" if op in _RING_WINS.get(backend, ()) else "backend"
+    if algorithm == "ring" and backend != "gloo":
+        raise ValueError(f"the send/recv ring runs on gloo process groups, not {backend}: use algorithm='backend'")
+    return algorithm
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -240,9 +261,21 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 # --------------------------------------------------------------------------- all to all
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False) -> Handle | None:
-    rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op)
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
+               algorithm: str = "backend") -> Handle | None:
+    """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring."""
+    algorithm = _ring_for_sum("all_reduce", op, group, algorithm)
+    rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
+    if algorithm == "ring":
+        return _finish(ring.all_reduce(tensor, group=group, async_op=async_op), rec, async_op)
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
+
+
+def _ring_for_sum(op_name: str, op, group, algorithm: str) -> str:
+    algorithm = choose_algorithm(op_name, group, algorithm)
+    if algorithm == "ring" and op != ReduceOp.SUM:
+        raise ValueError(f"the ring {op_name} sums; for {op} use algorithm='backend'")
+    return algorithm
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -253,9 +286,13 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
-                    async_op: bool = False) -> Handle | None:
-    """Gather every rank's `input` into the flat `output` (world_size * input.numel())."""
-    rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op)
+                    async_op: bool = False, algorithm: str = "backend") -> Handle | None:
+    """Gather every rank's `input` into the flat `output` (world_size * input.numel()).
+    algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins)."""
+    algorithm = choose_algorithm("all_gather", group, algorithm)
+    rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op, algorithm=algorithm)
+    if algorithm == "ring":
+        return _finish(ring.all_gather_into(output, input, group=group, async_op=async_op), rec, async_op)
     return _finish(_all_gather_flat(output, input, group=group, async_op=async_op), rec, async_op)
 
 
@@ -267,9 +304,13 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
-                          async_op: bool = False) -> Handle | None:
-    """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel())."""
-    rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op)
+                          async_op: bool = False, algorithm: str = "backend") -> Handle | None:
+    """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
+    algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins)."""
+    algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm)
+    rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op, algorithm=algorithm)
+    if algorithm == "ring":
+        return _finish(ring.reduce_scatter_tensor(output, input, group=group, async_op=async_op), rec, async_op)
     return _finish(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), rec, async_op)
 
 

@@ -1,0 +1,203 @@
+"""Ring collectives built from isend/irecv: reduce_scatter, all_gather and all_reduce.
+
+The n ranks form a ring (rank r sends to r+1, receives from r-1). A flat buffer of
+n chunks moves around it in n-1 steps:
+
+    reduce_scatter  step s: send the partial sum of chunk (r-s-1) mod n, receive the
+                    partial sum of chunk (r-s-2) mod n and add this rank's own piece of
+                    it. After n-1 steps rank r holds chunk r summed over every rank.
+    all_gather      step s: pass on chunk (r-s) mod n, receive chunk (r-s-1) mod n.
+    all_reduce      reduce_scatter, then all_gather (on a buffer padded to n chunks).
+
+Each rank sends (n-1)/n of the buffer per phase: the bandwidth-optimal amount, the
+same as the ring model the tracer uses. Chunks are cut into pieces (`piece_bytes`)
+whose transfers are all in flight at once, so adding piece j overlaps receiving j+1.
+
+Reduction order (what makes a float sum reproducible): chunk c is summed starting at
+rank c+1 and going round the ring, ((x[c+1] + x[c+2]) + ...) + x[c]; the result is
+bitwise what that left-to-right sum gives, which tests check. The backend may add in
+another order, so ring and backend sums agree to rounding, not bitwise.
+
+Asynchronous calls run on one worker thread per process, in the order they were
+issued (so the order is the same on every rank); a RingWork's wait() returns when the
+whole collective is done. Messages use a tag of their own, so they never match a
+user's send/recv on the same group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+RING_TAG = 0x6D64  # "md": ring traffic only
+PIECE_BYTES = 1 << 20
+
+
+class RingWork:
+    """The handle of a ring collective running on the worker thread (what Handle wraps)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        seconds = timeout.total_seconds() if timeout is not None else None
+        if not self._done.wait(seconds):
+            raise TimeoutError(f"ring collective not finished after {seconds} s")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+class _Worker:
+    """One daemon thread that runs queued ring collectives in order."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="minidist-ring", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            fn, work = self._jobs.get()
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                work._finish(e)
+            else:
+                work._finish()
+
+    def submit(self, fn) -> RingWork:
+        work = RingWork()
+        self._jobs.put((fn, work))
+        return work
+
+
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _run(fn, async_op: bool) -> RingWork | None:
+    global _worker
+    if not async_op:
+        fn()
+        return None
+    with _worker_lock:
+        if _worker is None:
+            _worker = _Worker()
+    return _worker.submit(fn)
+
+
+def _ring(group) -> tuple[int, int, int, int]:
+    """(my position in the ring, ring size, global rank of the next, of the previous)."""
+    n = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    to_global = (lambda k: k) if group is None else (lambda k: dist.get_global_rank(group, k))
+    return r, n, to_global((r + 1) % n), to_global((r - 1) % n)
+
+
+def _pieces(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, piece_bytes // element_size)
+    return [(a, min(a + step, numel)) for a in range(0, numel, step)]
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, pieces, on_piece=None) -> None:
+    """Send `send` to the next rank while receiving `recv` from the previous, piece by piece;
+    on_piece(a, b) runs as soon as recv[a:b] has arrived."""
+    sends = [dist.isend(send[a:b], nxt, group=group, tag=RING_TAG) for a, b in pieces]
+    recvs = [dist.irecv(recv[a:b], prv, group=group, tag=RING_TAG) for a, b in pieces]
+    for (a, b), work in zip(pieces, recvs):
+        work.wait()
+        if on_piece is not None:
+            on_piece(a, b)
+    for work in sends:
+        work.wait()
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: int) -> None:
+    r, n, nxt, prv = _ring(group)
+    m = output.numel()
+    chunks = input.reshape(n, m)
+    if n == 1:
+        output.copy_(chunks[0].view_as(output))
+        return
+    if m == 0:
+        return
+    pieces = _pieces(m, input.element_size(), piece_bytes)
+    # Two scratch chunks take turns: one is being sent while the other receives. Step 0
+    # sends this rank's own piece straight from the input (which is never written).
+    scratch = [torch.empty(m, dtype=input.dtype, device=input.device) for _ in range(min(2, n - 1))]
+    sending = chunks[(r - 1) % n]
+    for s in range(n - 1):
+        incoming, local = scratch[s % 2], chunks[(r - s - 2) % n]
+        result = output.reshape(-1) if s == n - 2 else incoming
+
+        def add(a, b, incoming=incoming, local=local, result=result):
+            torch.add(incoming[a:b], local[a:b], out=result[a:b])  # the partial sum so far + mine
+        _exchange(sending, incoming, nxt, prv, group, pieces, add)
+        sending = incoming
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: int) -> None:
+    r, n, nxt, prv = _ring(group)
+    m = input.numel()
+    chunks = output.reshape(n, m)
+    if chunks[r].data_ptr() != input.data_ptr():
+        chunks[r].copy_(input.reshape(-1))
+    if n == 1 or m == 0:
+        return
+    pieces = _pieces(m, input.element_size(), piece_bytes)
+    for s in range(n - 1):
+        _exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n], nxt, prv, group, pieces)
+
+
+def _all_reduce(tensor: torch.Tensor, group, piece_bytes: int) -> None:
+    r, n, _, _ = _ring(group)
+    numel = tensor.numel()
+    if n == 1 or numel == 0:
+        return
+    m = -(-numel // n)
+    padded = torch.zeros(n * m, dtype=tensor.dtype, device=tensor.device)
+    padded[:numel].copy_(tensor.reshape(-1))
+    mine = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter(mine, padded, group, piece_bytes)
+    _all_gather(padded, mine, group, piece_bytes)
+    tensor.copy_(padded[:numel].view_as(tensor))
+
+
+def _check_contiguous(*tensors: torch.Tensor) -> None:
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("ring collectives work on contiguous tensors: pass .contiguous() ones")
+
+
+def reduce_scatter_tensor(output, input, group=None, async_op=False, piece_bytes=None):
+    """Rank r receives the sum over ranks of chunk r of the flat `input` (n * output.numel())."""
+    _check_contiguous(output, input)
+    if input.numel() != dist.get_world_size(group) * output.numel():
+        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world size x "
+                         f"{output.numel()}")
+    return _run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op)
+
+
+def all_gather_into(output, input, group=None, async_op=False, piece_bytes=None):
+    """Every rank's `input` into the flat `output` (n * input.numel()), in rank order."""
+    _check_contiguous(output, input)
+    if output.numel() != dist.get_world_size(group) * input.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected world size x "
+                         f"{input.numel()}")
+    return _run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op)
+
+
+def all_reduce(tensor, group=None, async_op=False, piece_bytes=None):
+    """Sum `tensor` over ranks in place (ring reduce_scatter, then ring all_gather)."""
+    return _run(lambda: _all_reduce(tensor, group, piece_bytes or PIECE_BYTES), async_op)

@@ -1,0 +1,149 @@
+"""minidist.comm's ring collectives (built from isend/irecv) against the backend's, on gloo.
+
+all_gather must equal the backend's exactly. Sums must equal, bitwise, the order the
+ring states (chunk c summed from rank c+1 round the ring to rank c), and the backend's
+result to rounding.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist import comm
+from minidist.comm import ring
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+PIECE = 4096  # bytes: small pieces, so even these sizes are cut into several
+
+
+def rank_input(rank: int, numel: int, dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def ring_order_sum(chunks_by_rank: list[torch.Tensor], c: int, n: int) -> torch.Tensor:
+    """The stated order: ((x[c+1] + x[c+2]) + ...) + x[c], left to right, in the tensors' dtype."""
+    total = chunks_by_rank[(c + 1) % n].clone()
+    for k in range(2, n + 1):
+        total = total + chunks_by_rank[(c + k) % n]
+    return total
+
+
+def check_collectives(sizes, dtypes):
+    r, n = dist.get_rank(), dist.get_world_size()
+    failures = []
+    for dtype in dtypes:
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        for m in sizes:
+            everyone = [rank_input(q, n * m, dtype) for q in range(n)]
+            mine = everyone[r]
+            # reduce_scatter
+            out = torch.empty(m, dtype=dtype)
+            comm.reduce_scatter_tensor(out, mine.clone(), algorithm="ring")
+            want = ring_order_sum([x[r * m:(r + 1) * m] for x in everyone], r, n)
+            backend = torch.empty(m, dtype=dtype)
+            comm.reduce_scatter_tensor(backend, mine.clone(), algorithm="backend")
+            if not torch.equal(out, want):
+                failures.append(("reduce_scatter order", dtype, m))
+            if m and not torch.allclose(out.double(), backend.double(), rtol=tol, atol=tol * n):
+                failures.append(("reduce_scatter vs backend", dtype, m))
+            # all_gather: exact
+            gathered, reference = torch.empty(n * m, dtype=dtype), torch.empty(n * m, dtype=dtype)
+            piece = mine[:m].clone()
+            comm.all_gather_into(gathered, piece, algorithm="ring")
+            comm.all_gather_into(reference, piece, algorithm="backend")
+            if not torch.equal(gathered, reference):
+                failures.append(("all_gather", dtype, m))
+            # all_reduce on a size the world does not divide: padded to n chunks of ceil(numel / n)
+            numel = n * m + 1 if m else 1
+            t = rank_input(r + 7, numel, dtype)
+            alls = [rank_input(q + 7, numel, dtype) for q in range(n)]
+            comm.all_reduce(t, algorithm="ring")
+            k = -(-numel // n)
+            want = torch.cat([ring_order_sum([x[c * k:(c + 1) * k] for x in alls], c, n) for c in range(n)])
+            if not torch.equal(t, want[:numel]):
+                failures.append(("all_reduce order", dtype, numel))
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_collectives_equal_the_backend(world_size, ranks, monkeypatch):
+    sizes = [0, 1, 5, 1000, 3001]
+    results = ranks(world_size).run(check_with_small_pieces, sizes, DTYPES, timeout_s=180)
+    assert results == [[]] * world_size
+
+
+def check_with_small_pieces(sizes, dtypes):
+    ring.PIECE_BYTES, saved = PIECE, ring.PIECE_BYTES  # several pieces per chunk, so pipelining is exercised
+    try:
+        return check_collectives(sizes, dtypes)
+    finally:
+        ring.PIECE_BYTES = saved
+
+
+def overlapping_async_calls():
+    """Several ring calls in flight at once, with backend collectives issued between them."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    ins = [rank_input(r + 10 * k, n * 333, torch.float32) for k in range(4)]
+    outs = [torch.empty(333) for _ in ins]
+    handles = [comm.reduce_scatter_tensor(o, i, algorithm="ring", async_op=True) for o, i in zip(outs, ins)]
+    side = torch.full((4,), float(r))
+    comm.all_reduce(side)  # the backend, while the ring works on the worker thread
+    gathered = torch.empty(n * 333)
+    handles.append(comm.all_gather_into(gathered, outs[0], algorithm="ring", async_op=True))
+    for h in handles:
+        h.wait()
+    expect = [ring_order_sum([rank_input(q + 10 * k, n * 333, torch.float32)[r * 333:(r + 1) * 333]
+                              for q in range(n)], r, n) for k in range(4)]
+    ok_side = torch.equal(side, torch.full((4,), float(sum(range(n)))))
+    everyone = [torch.empty(333) for _ in range(n)]
+    dist.all_gather(everyone, outs[0])
+    return all(torch.equal(o, e) for o, e in zip(outs, expect)) and ok_side and torch.equal(gathered, torch.cat(everyone))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_async_ring_calls_overlap(world_size, ranks):
+    assert all(ranks(world_size).run(overlapping_async_calls, timeout_s=120))
+
+
+def traced_once():
+    n = dist.get_world_size()
+    with comm.CommTracer() as tracer:
+        out = torch.empty(100)
+        comm.reduce_scatter_tensor(out, torch.ones(n * 100), algorithm="auto")
+        comm.all_gather_into(torch.empty(n * 100), out, algorithm="auto", async_op=True).wait()
+        comm.all_reduce(torch.ones(10), algorithm="auto")
+    return [(rec.op, rec.algorithm, rec.bytes, rec.sent_bytes) for rec in tracer.records]
+
+
+def test_ring_is_traced_as_one_collective_and_auto_picks_it_on_gloo(ranks):
+    records = ranks(4).run(traced_once)[0]
+    assert records == [("reduce_scatter", "ring", 1600, 1200.0), ("all_gather", "ring", 1600, 1200.0),
+                       ("all_reduce", "backend", 40, 60.0)]
+
+
+def ring_refuses_max():
+    try:
+        comm.reduce_scatter_tensor(torch.empty(1), torch.ones(2), op=comm.ReduceOp.MAX, algorithm="ring")
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_ring_sums_only(ranks):
+    assert "algorithm='backend'" in ranks(2).run(ring_refuses_max)[0]
+
+
+def subgroup_ring():
+    r = dist.get_rank()
+    group = dist.new_group([1, 3])
+    if r not in (1, 3):
+        return None
+    out = torch.empty(3)
+    comm.reduce_scatter_tensor(out, torch.arange(6.0) * (r + 1), group=group, algorithm="ring")
+    return out.tolist()
+
+
+def test_ring_over_a_subgroup(ranks):
+    # ranks 1 and 3 (weights 2 and 4): 6 x arange(6), split in two
+    assert ranks(4).run(subgroup_ring) == [None, [0.0, 6.0, 12.0], None, [18.0, 24.0, 30.0]]
