@@ -36,9 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.buckets import MiB, Bucket, FlatBuffers, broadcast_coalesced, plan_buckets
+from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward
+from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
 from minidist.parallel.powersgd import PowerSGD
 
@@ -96,8 +97,9 @@ class DataParallel(BucketedBackward, nn.Module):
             the model skips it everywhere; if only some ranks skip it (data-dependent
             control flow), the others wait in their last all_reduce until the process
             group's timeout (init_distributed's timeout_s) and then fail.
-        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before
-            each forward that records gradients.
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a
+            forward whose previous forward synchronised gradients (native DDP's rule: once
+            per optimizer step under no_sync accumulation; see buffer_sync.py).
         comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16",
             "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)).
         process_group: the group to reduce over (default: the world).
@@ -135,7 +137,7 @@ class DataParallel(BucketedBackward, nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._flat_buffers = FlatBuffers(module) if broadcast_buffers and self.world_size > 1 else None
+        self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
 
         self._build_buckets(list(reversed(range(len(self._params)))))
         # Record the order gradients arrive in during the first synced backward, then rebuild.
@@ -213,8 +215,7 @@ class DataParallel(BucketedBackward, nn.Module):
     # ----------------------------------------------------------------------- API
 
     def forward(self, *args, **kwargs):
-        if self._flat_buffers is not None and torch.is_grad_enabled():
-            self._flat_buffers.broadcast(src=self.source_rank, group=self.process_group)
+        self._buffer_sync.before_forward(self._sync_enabled)
         return self.module(*args, **kwargs)
 
     def full_state_dict(self) -> dict:

@@ -36,8 +36,10 @@ class FlatShard:
     (when materialised); `master` is this rank's fp32 slice, wrapped as an nn.Parameter."""
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
-                 world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool):
+                 world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
+                 algorithm: str = "backend"):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
+        self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
         self.params = params
         first = params[0]
         self.device = first.device
@@ -89,7 +91,8 @@ class FlatShard:
             own = self.full[self.lo:self.hi]
             if own.data_ptr() != self.master.data_ptr():
                 own.copy_(self.master)  # cast fp32 master -> compute dtype
-            return comm.all_gather_into(self.full, own, group=self.group, async_op=async_op)
+            return comm.all_gather_into(self.full, own, group=self.group, async_op=async_op,
+                                        algorithm=self.algorithm)
 
     # ----------------------------------------------------------------- checkpoint pieces
 
@@ -130,5 +133,5 @@ class FlatShard:
     def full_fp32(self) -> torch.Tensor:
         """Every rank's master shard, gathered (fp32, padded)."""
         out = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)
-        comm.all_gather_into(out, self.master.detach(), group=self.group)
+        comm.all_gather_into(out, self.master.detach(), group=self.group, algorithm=self.algorithm)
         return out

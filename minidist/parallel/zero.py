@@ -35,6 +35,7 @@ from minidist import comm
 from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
+from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard
 
@@ -54,6 +55,11 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         overlap: stage 2: reduce_scatter buckets during backward as they fill.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
+        collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's),
+            "ring" (minidist.comm.ring, built from send/recv; gloo only) or "auto" (the ring
+            where it measurably wins: gloo; the backend's everywhere else, nccl always).
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a forward
+            whose previous forward synchronised gradients, as DataParallel and native DDP do.
         max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
             their reduce_scatter at once (bounds peak memory; backward waits beyond it).
         unit_policy, min_unit_params, prefetch: stage 3 only, see zero3.py.
@@ -75,7 +81,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def _setup_common(self, module: nn.Module, optimizer_factory: Callable, stage: int, process_group,
                       param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                      max_inflight: int) -> list:
+                      max_inflight: int, broadcast_buffers: bool, collectives: str) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
         if not callable(optimizer_factory):
@@ -94,7 +100,10 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
+        comm.choose_algorithm("reduce_scatter", process_group, collectives)  # raises on a bad choice
+        self.collectives = collectives
         replicate_from_source(module, self.source_rank, process_group)
+        self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ShardedDataParallel: the model has no trainable parameters")
@@ -110,6 +119,11 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def _after_optimizer_step(self) -> None:
         """Stages 1-2 gather the updated shards into the full parameters; stage 3 does it lazily."""
+
+    def _before_forward(self, args, kwargs):
+        """What every stage's forward does first: sync buffers (native DDP's rule), cast inputs."""
+        self._buffer_sync.before_forward(self._sync_enabled)
+        return self._cast_inputs(args, kwargs)
 
     def _cast_inputs(self, args, kwargs):
         if self.param_dtype is None:
@@ -257,21 +271,21 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 max_inflight: int = 2, **unused):
+                 max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", **unused):
         nn.Module.__init__(self)
         if unused:
             raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight)
+                           max_inflight, broadcast_buffers, collectives)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
         self._shards, self._buckets, self._where = [], [], {}
         for k, ids in enumerate(plan):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
                               rank=self.rank, world_size=self.world_size, group=process_group,
-                              compute_dtype=param_dtype, keep_full=True)
+                              compute_dtype=param_dtype, keep_full=True, algorithm=collectives)
             bucket = ShardBucket(k, list(ids), buffer=None, views=[], process_group=process_group,
                                  world_size=self.world_size)
             bucket.shard = shard
@@ -292,7 +306,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                                      process_group=process_group)
 
     def forward(self, *args, **kwargs):
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = self._before_forward(args, kwargs)
         return self.module(*args, **kwargs)
 
     # -- gradient buffers
@@ -338,7 +352,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         else:
             bucket.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
             self._release_completed()
-        return comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True)
+        return comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True,
+                                          algorithm=self.collectives)
 
     def _limit_inflight(self) -> None:
         # Before taking another full-size buffer, let the oldest launched reductions finish.

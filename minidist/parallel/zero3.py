@@ -89,10 +89,10 @@ class ZeroStage3(ShardedDataParallel):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto"):
         nn.Module.__init__(self)
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight)
+                           max_inflight, broadcast_buffers, collectives)
         self.prefetch = prefetch and overlap
         self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
@@ -110,7 +110,7 @@ class ZeroStage3(ShardedDataParallel):
         for k, (name, sub, ids) in enumerate(groups):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
                               world_size=self.world_size, group=process_group, compute_dtype=param_dtype,
-                              keep_full=False)
+                              keep_full=False, algorithm=collectives)
             self._units.append(_Unit(name, sub, shard, ids))
         self._root = self._units[0] if root_ids else None
         self._shards = [u.shard for u in self._units]
@@ -160,7 +160,7 @@ class ZeroStage3(ShardedDataParallel):
     # ------------------------------------------------------------------ forward
 
     def forward(self, *args, **kwargs):
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = self._before_forward(args, kwargs)
         self._order = []
         if self._root is not None:
             self._unshard(self._root)
@@ -243,7 +243,8 @@ class ZeroStage3(ShardedDataParallel):
                     p.grad = None
             u.staging = staging
             u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
-            u.reduce_handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True)
+            u.reduce_handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True,
+                                                         algorithm=self.collectives)
         self._inflight.append(u)
         if u is not self._root:
             self._reshard(u)

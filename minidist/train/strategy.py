@@ -156,6 +156,8 @@ class OursZero(Strategy):
 
         kwargs = {"min_unit_params": int(self.cfg.min_unit_params)} if self.stage == 3 else \
             {"bucket_cap_mb": float(self.cfg.bucket_cap_mb)}
+        kwargs["broadcast_buffers"] = bool(self.cfg.get("broadcast_buffers", True))
+        kwargs["collectives"] = str(self.cfg.get("collectives", "auto"))
         model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=self.stage, **kwargs)
         return model, model.optimizer
 
