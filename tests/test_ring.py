@@ -54,31 +54,39 @@ def check_collectives(sizes, dtypes):
             comm.all_gather_into(reference, piece, algorithm="backend")
             if not torch.equal(gathered, reference):
                 failures.append(("all_gather", dtype, m))
-            # all_reduce on a size the world does not divide: padded to n chunks of ceil(numel / n)
-            numel = n * m + 1 if m else 1
-            t = rank_input(r + 7, numel, dtype)
-            alls = [rank_input(q + 7, numel, dtype) for q in range(n)]
-            comm.all_reduce(t, algorithm="ring")
-            k = -(-numel // n)
-            want = torch.cat([ring_order_sum([x[c * k:(c + 1) * k] for x in alls], c, n) for c in range(n)])
-            if not torch.equal(t, want[:numel]):
-                failures.append(("all_reduce order", dtype, numel))
+            # all_reduce on a size the world does not divide (padded to n chunks of ceil(numel / n)),
+            # and on one it does (reduced in place, no padding)
+            for numel in (n * m + 1 if m else 1, n * m):
+                t = rank_input(r + 7, numel, dtype)
+                alls = [rank_input(q + 7, numel, dtype) for q in range(n)]
+                comm.all_reduce(t, algorithm="ring")
+                k = -(-numel // n)
+                want = torch.cat([ring_order_sum([x[c * k:(c + 1) * k] for x in alls], c, n) for c in range(n)])
+                if not torch.equal(t, want[:numel]):
+                    failures.append(("all_reduce order", dtype, numel))
     return failures
 
 
+@pytest.mark.parametrize("schedule", ["ring", "direct"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_collectives_equal_the_backend(world_size, ranks, monkeypatch):
+def test_ring_collectives_equal_the_backend(world_size, schedule, ranks):
     sizes = [0, 1, 5, 1000, 3001]
-    results = ranks(world_size).run(check_with_small_pieces, sizes, DTYPES, timeout_s=180)
+    results = ranks(world_size).run(check_with_schedule, schedule, sizes, DTYPES, timeout_s=180)
     assert results == [[]] * world_size
 
 
-def check_with_small_pieces(sizes, dtypes):
-    ring.PIECE_BYTES, saved = PIECE, ring.PIECE_BYTES  # several pieces per chunk, so pipelining is exercised
+def check_with_schedule(schedule, sizes, dtypes):
+    """Force the n-1-step ring (with several pieces per chunk, so pipelining is exercised) or the
+    one-step direct exchange, whatever the sizes would pick."""
+    saved = ring.PIECE_BYTES, dict(ring.DIRECT_BELOW_BYTES)
+    ring.PIECE_BYTES = PIECE
+    for op in ring.DIRECT_BELOW_BYTES:
+        ring.DIRECT_BELOW_BYTES[op] = 0 if schedule == "ring" else 1 << 40
     try:
         return check_collectives(sizes, dtypes)
     finally:
-        ring.PIECE_BYTES = saved
+        ring.PIECE_BYTES = saved[0]
+        ring.DIRECT_BELOW_BYTES.update(saved[1])
 
 
 def overlapping_async_calls():

@@ -12,6 +12,9 @@ n chunks moves around it in n-1 steps:
 Each rank sends (n-1)/n of the buffer per phase: the bandwidth-optimal amount, the
 same as the ring model the tracer uses. Chunks are cut into pieces (`piece_bytes`)
 whose transfers are all in flight at once, so adding piece j overlaps receiving j+1.
+Small chunks are latency-bound, and n-1 sequential steps cost n-1 waits: below
+DIRECT_BELOW_BYTES the same bytes go in one step instead, each chunk straight to the
+rank that needs it (and the sum is still taken in the ring's order).
 
 Reduction order (what makes a float sum reproducible): chunk c is summed starting at
 rank c+1 and going round the ring, ((x[c+1] + x[c+2]) + ...) + x[c]; the result is
@@ -35,6 +38,11 @@ import torch.distributed as dist
 
 RING_TAG = 0x6D64  # "md": ring traffic only
 PIECE_BYTES = 1 << 20
+# Below these sizes per chunk, one step beats n-1: every rank sends each chunk straight to
+# the rank that needs it (the same bytes as the ring; measured in docs/benchmarks.md).
+# reduce_scatter then holds n-1 received chunks at once, so its limit is lower; all_gather
+# receives straight into the output.
+DIRECT_BELOW_BYTES = {"reduce_scatter": 1 << 20, "all_gather": 4 << 20}
 
 
 class RingWork:
@@ -98,12 +106,27 @@ def _run(fn, async_op: bool) -> RingWork | None:
     return _worker.submit(fn)
 
 
+def _global(group, k: int) -> int:
+    return k if group is None else dist.get_global_rank(group, k)
+
+
 def _ring(group) -> tuple[int, int, int, int]:
     """(my position in the ring, ring size, global rank of the next, of the previous)."""
     n = dist.get_world_size(group)
     r = dist.get_rank(group)
-    to_global = (lambda k: k) if group is None else (lambda k: dist.get_global_rank(group, k))
-    return r, n, to_global((r + 1) % n), to_global((r - 1) % n)
+    return r, n, _global(group, (r + 1) % n), _global(group, (r - 1) % n)
+
+
+def _direct(op: str, chunk_bytes: int, n: int) -> bool:
+    return n > 2 and chunk_bytes < DIRECT_BELOW_BYTES[op]  # at n = 2 both schedules are the same one step
+
+
+def _exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
+    """Every listed transfer at once: recvs[q] from rank q, sends[q] to rank q (group ranks)."""
+    works = [dist.irecv(t, _global(group, q), group=group, tag=RING_TAG) for q, t in recvs.items()]
+    works += [dist.isend(t, _global(group, q), group=group, tag=RING_TAG) for q, t in sends.items()]
+    for work in works:
+        work.wait()
 
 
 def _pieces(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -114,8 +137,9 @@ def _pieces(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, 
 def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group, pieces, on_piece=None) -> None:
     """Send `send` to the next rank while receiving `recv` from the previous, piece by piece;
     on_piece(a, b) runs as soon as recv[a:b] has arrived."""
-    sends = [dist.isend(send[a:b], nxt, group=group, tag=RING_TAG) for a, b in pieces]
+    # Receives first: each message then finds its buffer already posted when it arrives.
     recvs = [dist.irecv(recv[a:b], prv, group=group, tag=RING_TAG) for a, b in pieces]
+    sends = [dist.isend(send[a:b], nxt, group=group, tag=RING_TAG) for a, b in pieces]
     for (a, b), work in zip(pieces, recvs):
         work.wait()
         if on_piece is not None:
@@ -132,6 +156,16 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, piece_byte
         output.copy_(chunks[0].view_as(output))
         return
     if m == 0:
+        return
+    if _direct("reduce_scatter", m * input.element_size(), n):
+        others = [q for q in range(n) if q != r]
+        got = {q: torch.empty(m, dtype=input.dtype, device=input.device) for q in others}
+        _exchange_all({q: chunks[q] for q in others}, got, group)
+        got[r] = chunks[r]
+        total = got[(r + 1) % n].clone()  # the ring's order: from rank r+1 round to rank r
+        for k in range(2, n + 1):
+            total.add_(got[(r + k) % n])
+        output.view(-1).copy_(total)
         return
     pieces = _pieces(m, input.element_size(), piece_bytes)
     # Two scratch chunks take turns: one is being sent while the other receives. Step 0
@@ -156,6 +190,10 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: i
         chunks[r].copy_(input.reshape(-1))
     if n == 1 or m == 0:
         return
+    if _direct("all_gather", m * input.element_size(), n):
+        others = [q for q in range(n) if q != r]
+        _exchange_all({q: chunks[r] for q in others}, {q: chunks[q] for q in others}, group)
+        return
     pieces = _pieces(m, input.element_size(), piece_bytes)
     for s in range(n - 1):
         _exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n], nxt, prv, group, pieces)
@@ -167,12 +205,17 @@ def _all_reduce(tensor: torch.Tensor, group, piece_bytes: int) -> None:
     if n == 1 or numel == 0:
         return
     m = -(-numel // n)
-    padded = torch.zeros(n * m, dtype=tensor.dtype, device=tensor.device)
-    padded[:numel].copy_(tensor.reshape(-1))
-    mine = torch.empty(m, dtype=tensor.dtype, device=tensor.device)
+    in_place = tensor.is_contiguous() and numel == n * m
+    if in_place:  # already n equal chunks: reduce into this rank's chunk, gather around it
+        padded = tensor.view(-1)
+    else:
+        padded = torch.zeros(n * m, dtype=tensor.dtype, device=tensor.device)
+        padded[:numel].copy_(tensor.reshape(-1))
+    mine = padded[r * m:(r + 1) * m]
     _reduce_scatter(mine, padded, group, piece_bytes)
     _all_gather(padded, mine, group, piece_bytes)
-    tensor.copy_(padded[:numel].view_as(tensor))
+    if not in_place:
+        tensor.copy_(padded[:numel].view_as(tensor))
 
 
 def _check_contiguous(*tensors: torch.Tensor) -> None:
