@@ -6,7 +6,8 @@
 
 Variants (each its own copy of the model and optimizer, all in this one process):
     ddp                  minidist.DataParallel + AdamW (the baseline for the stages)
-    zero1, zero2, zero3  minidist.ShardedDataParallel
+    zero1, zero2, zero3  minidist.ShardedDataParallel (collectives=auto: our send/recv ring on gloo)
+    zeroK_backend        the same stage with the backend's reduce_scatter / all_gather
     native_zero1         native DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     native_fsdp          torch.distributed.fsdp.fully_shard on each block, then the root
 Every step runs every variant once, in rotating order, on the same batch; a step's
@@ -33,7 +34,8 @@ from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
 from minidist.train.strategy import build_strategy
 
-VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp"]
+VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
+            "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring
 COUNTERPART = {"zero1": "native_zero1", "zero3": "native_fsdp"}
 
 
@@ -47,9 +49,11 @@ class Variant:
                        n_embd=g.n_embd)
         self.name = name
         # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
-        options = OmegaConf.create({"name": name, "bucket_cap_mb": 25, "gradient_as_bucket_view": True,
+        strategy = name.removesuffix("_backend")
+        collectives = "backend" if name.endswith("_backend") else "auto"  # auto: our ring on gloo
+        options = OmegaConf.create({"name": strategy, "bucket_cap_mb": 25, "gradient_as_bucket_view": True,
                                     "find_unused_parameters": False, "broadcast_buffers": True,
-                                    "min_unit_params": int(cfg.min_unit_params)})
+                                    "min_unit_params": int(cfg.min_unit_params), "collectives": collectives})
         self.strategy = build_strategy(options, minidist.init_distributed())
         self.model, self.opt = self.strategy.wrap(self.net, torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
 

@@ -1,0 +1,130 @@
+"""Resident memory of a strategy's model state, as the operating system sees it.
+
+memory_report() counts live tensors; the process can hold more (allocator caches,
+memory a backend keeps for itself). This measures resident set size (RSS) instead:
+
+    launch_fresh(measure_state_rss, nproc=4, args=("zero2", [2048, 2048, 2048], 1.0))
+
+- every strategy runs in fresh processes, so nothing of an earlier one is counted;
+- MALLOC_MMAP_THRESHOLD_ makes glibc serve large allocations with mmap, so freeing a
+  tensor gives its pages back and RSS goes down as live tensors do;
+- the baseline is taken after a throw-away model, optimizer step and collective have
+  run: the first AdamW step alone loads ~150 MiB of code and kernels no strategy owns.
+
+The result is compared with the ZeRO paper's bytes per parameter (fp32, Adam) plus
+what a strategy legitimately keeps besides: its gradient buckets or units in flight.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+# Large allocations through mmap (returned to the system on free); set before the ranks start.
+MMAP_THRESHOLD = "65536"
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux: /proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def formula_bytes(strategy: str, psi: int, n: int) -> int:
+    """Model-state bytes per rank the ZeRO paper gives for fp32 parameters and Adam (k = 8)."""
+    per = {"ddp": 16 * psi, "native_ddp": 16 * psi,
+           "zero1": 8 * psi + 8 * psi / n, "native_zero1": 8 * psi + 8 * psi / n,
+           "zero2": 4 * psi + 12 * psi / n, "zero3": 16 * psi / n, "native_fsdp": 16 * psi / n}
+    return int(per[strategy])
+
+
+def _warm_up() -> None:
+    """Load the code and kernels every strategy needs, so the baseline includes them."""
+    from minidist import comm
+
+    net = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    net(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    t = torch.ones(1024)
+    comm.all_reduce(t)
+    out = torch.empty(1024 // comm.dist.get_world_size())
+    comm.reduce_scatter_tensor(out, t, algorithm="auto")
+    comm.all_gather_into(t, out, algorithm="auto")
+
+
+def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, collectives: str = "auto",
+                      steps: int = 3) -> dict:
+    """On each rank: RSS above the warmed-up baseline after `steps` AdamW steps of an MLP of `sizes`
+    (gradients still held, as the ZeRO paper counts them), with what the strategy reports."""
+    import gc
+
+    from omegaconf import OmegaConf
+
+    import minidist
+    from minidist.train.models import MLP
+    from minidist.train.strategy import build_strategy
+
+    torch.set_num_threads(1)
+    ctx = minidist.init_distributed(backend="gloo", timeout_s=120)
+    _warm_up()
+    gc.collect()
+    baseline = rss_bytes()
+    torch.manual_seed(0)
+    net = MLP(tuple(sizes)).net  # the Sequential itself: each Linear is a child (a stage-3 unit)
+    psi = sum(p.numel() for p in net.parameters())
+    options = OmegaConf.create({"name": strategy, "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True,
+                                "find_unused_parameters": False, "broadcast_buffers": True,
+                                "min_unit_params": 1, "collectives": collectives})
+    s = build_strategy(options, ctx)
+    model, opt = s.wrap(net, torch.optim.AdamW, {"lr": 1e-3})
+    x = torch.randn(8, sizes[0])
+    for step in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        if step < steps - 1:
+            opt.zero_grad(set_to_none=True)
+    gc.collect()
+    measured = rss_bytes() - baseline
+    report = s.memory_report()
+    inflight = report.get("comm_buffers", 0)  # gradient buckets / staging buffers the strategy keeps
+    if strategy in ("ddp", "native_ddp"):
+        inflight = 0  # with bucket views its gradients are its buckets: already in the 16 bytes
+    result = {"strategy": strategy, "collectives": collectives, "rank": ctx.rank, "world_size": ctx.world_size, "psi": psi,
+              "rss_bytes": measured, "formula_bytes": formula_bytes(strategy, psi, ctx.world_size),
+              "inflight_bytes": inflight, "report_total": report["total"]}
+    minidist.shutdown()
+    return result
+
+
+def within_target(r: dict) -> bool:
+    """issue 8's bound: RSS <= 1.15 x the formula + 8 MiB + the buffers in flight."""
+    return r["rss_bytes"] <= 1.15 * r["formula_bytes"] + 8 * 2**20 + r["inflight_bytes"]
+
+
+def allocate_and_free(mib: int) -> tuple[int, int]:
+    """(RSS growth with a `mib` MiB tensor alive, RSS growth left after freeing it): for checking
+    that RSS follows live tensors in a process started by launch_fresh."""
+    baseline = rss_bytes()
+    t = torch.ones(mib << 18)  # fp32: MiB x 2^18 elements; ones() touches every page
+    alive = rss_bytes() - baseline
+    del t
+    return alive, rss_bytes() - baseline
+
+
+def launch_fresh(fn, nproc: int, args: tuple) -> dict:
+    """fn(*args) on `nproc` newly started local ranks with the mmap threshold set; rank -> result."""
+    from minidist.launch import run_local
+
+    previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    try:
+        return run_local(fn, nproc=nproc, args=args)
+    finally:
+        if previous is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = previous
