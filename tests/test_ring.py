@@ -155,3 +155,21 @@ def subgroup_ring():
 def test_ring_over_a_subgroup(ranks):
     # ranks 1 and 3 (weights 2 and 4): 6 x arange(6), split in two
     assert ranks(4).run(subgroup_ring) == [None, [0.0, 6.0, 12.0], None, [18.0, 24.0, 30.0]]
+
+
+def sync_call_behind_async_ones():
+    """A synchronous ring call made while asynchronous ones of other sizes are in flight."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    outs = [torch.empty(n * (100 + k)) for k in range(3)]
+    handles = [comm.all_gather_into(o, torch.full((100 + k,), float(r)), algorithm="ring", async_op=True)
+               for k, o in enumerate(outs)]
+    now = torch.empty(n * 37)
+    comm.all_gather_into(now, torch.full((37,), float(r)), algorithm="ring")  # runs after them, in order
+    for h in handles:
+        h.wait()
+    expect = lambda m: torch.arange(n, dtype=torch.float32).repeat_interleave(m)  # noqa: E731
+    return torch.equal(now, expect(37)) and all(torch.equal(o, expect(100 + k)) for k, o in enumerate(outs))
+
+
+def test_a_sync_call_waits_its_turn(ranks):
+    assert all(ranks(3).run(sync_call_behind_async_ones, timeout_s=60))

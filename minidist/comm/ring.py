@@ -21,9 +21,9 @@ rank c+1 and going round the ring, ((x[c+1] + x[c+2]) + ...) + x[c]; the result 
 bitwise what that left-to-right sum gives, which tests check. The backend may add in
 another order, so ring and backend sums agree to rounding, not bitwise.
 
-Asynchronous calls run on one worker thread per process, in the order they were
-issued (so the order is the same on every rank); a RingWork's wait() returns when the
-whole collective is done. Messages use a tag of their own, so they never match a
+Every call runs on one worker thread per process, in the order it was issued (so the
+order is the same on every rank, and a synchronous call never overtakes an asynchronous
+one still in flight); a RingWork's wait() returns when the whole collective is done. Messages use a tag of their own, so they never match a
 user's send/recv on the same group.
 """
 
@@ -96,14 +96,18 @@ _worker_lock = threading.Lock()
 
 
 def _run(fn, async_op: bool) -> RingWork | None:
+    """Queue fn on the worker; wait for it unless async_op. Synchronous calls queue too: every
+    ring call of this process must run in issue order, or the messages of a call made now
+    would cross those of calls still in flight (they share the tag)."""
     global _worker
-    if not async_op:
-        fn()
-        return None
     with _worker_lock:
         if _worker is None:
             _worker = _Worker()
-    return _worker.submit(fn)
+    work = _worker.submit(fn)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _global(group, k: int) -> int:
