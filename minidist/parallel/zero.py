@@ -296,6 +296,10 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             if stage == 1:
                 self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
         self._stash: dict[int, torch.Tensor] = {}
+        # Updated parameters are gathered asynchronously after optimizer.step(); a module's
+        # forward waits only for the buckets holding its own parameters (see _after_optimizer_step).
+        self._pending_gathers: dict[int, object] = {}
+        self._watch_parameter_use()
         # Stage 2's full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
         self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
         self._make_optimizer(optimizer_factory)
@@ -307,7 +311,23 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        self._wait_gathers(list(self._pending_gathers))  # parameters forward did not use: current now too
+        return out
+
+    def _watch_parameter_use(self) -> None:
+        """A pre-forward hook on every module that owns parameters: wait for the gathers of its buckets."""
+        bucket_of = {id(p): self._where[i][0].index for i, p in enumerate(self._params)}
+        for module in self.module.modules():
+            ks = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+            if ks:
+                module.register_forward_pre_hook(lambda *_, ks=ks: self._wait_gathers(ks))
+
+    def _wait_gathers(self, ks) -> None:
+        for k in ks:
+            handle = self._pending_gathers.pop(k, None)
+            if handle is not None:
+                handle.wait()
 
     # -- gradient buffers
     def _allocate(self, bucket: ShardBucket) -> None:
@@ -389,9 +409,16 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     # -- after the optimizer step
     def _after_optimizer_step(self) -> None:
-        handles = [shard.gather_full(async_op=True) for shard in self._shards]
-        for h in handles:
-            h.wait()
+        """Gather the updated shards into the full parameters, asynchronously: the last bucket
+        (the first layers) first, as forward will need them, so the gathers overlap forward."""
+        self._wait_gathers(list(self._pending_gathers))  # a second step before any forward
+        for k in reversed(range(len(self._shards))):
+            self._pending_gathers[k] = self._shards[k].gather_full(async_op=True)
+
+    def wait_for_parameters(self) -> None:
+        """Block until every updated parameter has arrived. Forward does this by itself; call it
+        only to read the module's parameters between optimizer.step() and the next forward."""
+        self._wait_gathers(list(self._pending_gathers))
 
     def _gradient_tensors(self) -> list[torch.Tensor]:
         full = [b.buffer for b in self._buckets if b.buffer is not None] if self.stage == 1 else []
