@@ -152,6 +152,39 @@ class Tour:
                   "Rank q receives the sum over ranks of slice q: ZeRO-2 keeps just its gradient shard.\n"
                   "all_reduce = reduce_scatter followed by all_gather.")
 
+    def ring_all_reduce(self) -> None:
+        """all_reduce built in front of you from isend/irecv: what minidist.comm.ring does."""
+        r, n = self.rank, self.n
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        buf = self.tensor([10 * r + q for q in range(n)])  # chunk q is element q
+        before = buf.clone()
+        reference = before.clone()
+        comm.all_reduce(reference)  # the backend's answer, to check ours against
+        incoming = torch.zeros(1, device=self.dev)
+
+        def exchange(send_chunk: int) -> None:
+            # Post the receive first, then send: each rank talks only to its two ring neighbours.
+            handles = [comm.irecv(incoming, src=prv), comm.isend(buf[send_chunk:send_chunk + 1].clone(), dst=nxt)]
+            for h in handles:
+                h.wait()
+
+        for s in range(n - 1):  # phase 1, reduce_scatter: pass a partial sum on, add your own piece
+            exchange((r - s - 1) % n)
+            buf[(r - s - 2) % n] += incoming[0]
+        checked = buf.clone()
+        checked[r] = reference[r]  # what phase 1 promises: chunk r complete on rank r (the rest is partial)
+        self.step("ring all_reduce from send/recv, phase 1: reduce_scatter", before, buf.clone(), checked,
+                  f"{n - 1} steps: send the partial sum of chunk (r-s-1) mod n to rank r+1, receive chunk\n"
+                  "(r-s-2) mod n from rank r-1 and add yours to it. Now chunk r holds the full sum on rank r\n"
+                  "(the other chunks are partial sums).")
+        for s in range(n - 1):  # phase 2, all_gather: pass the finished chunks round the ring
+            exchange((r - s) % n)
+            buf[(r - s - 1) % n] = incoming[0]
+        self.step("ring all_reduce from send/recv, phase 2: all_gather", before, buf, reference,
+                  f"{n - 1} more steps pass each finished chunk on. Every rank now holds the sum: equal to\n"
+                  f"the backend's all_reduce. Each rank sent 2(n-1)/n of the tensor, the least possible.\n"
+                  "minidist.comm.ring does this with pipelined pieces (comm.all_reduce(t, algorithm='ring')).")
+
     def sync_vs_async(self) -> None:
         numel = int(self.cfg.async_numel)
         a = torch.randn(256, 256, device=self.dev)
@@ -235,6 +268,8 @@ def tour_main(cfg_dict: dict) -> list[str]:
     tour.one_to_all()
     tour.all_to_one()
     tour.all_to_all()
+    if not single:
+        tour.ring_all_reduce()
     tour.sync_vs_async()
     tour.pitfall_read_before_wait()
     comm.barrier()

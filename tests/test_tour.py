@@ -25,11 +25,12 @@ def test_tour_verifies_every_step(how, nproc):
     proc = run(cmd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "12 steps, all verified." in out
-    assert out.count(f"verified on all {nproc} ranks") == 12
+    assert "14 steps, all verified." in out
+    assert out.count(f"verified on all {nproc} ranks") == 14
     assert "FAILED" not in out
     for title in ("send / recv", "isend / irecv", "broadcast", "scatter", "reduce (sum)", "gather",
-                  "all_reduce", "all_gather", "reduce_scatter", "asynchronous", "before wait()", "deadlock"):
+                  "all_reduce", "all_gather", "reduce_scatter", "ring all_reduce from send/recv, phase 1",
+                  "phase 2: all_gather", "asynchronous", "before wait()", "deadlock"):
         assert title in out
 
 
