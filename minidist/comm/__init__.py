@@ -8,6 +8,11 @@ Funnelling every call through here buys one thing: `CommTracer` sees all
 communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
 rank" are measured, not computed from formulas.
 
+all_reduce, all_gather_into and reduce_scatter_tensor also take `algorithm`:
+"backend" (torch.distributed's), "ring" (ours, built from isend/irecv: ring.py) or
+"auto" (the ring where it measurably beats the backend — gloo's reduce_scatter and
+all_gather — the backend elsewhere). Either way the call is traced once.
+
     with CommTracer() as tracer:
         loss.backward()
     print(tracer.format_summary())

@@ -73,6 +73,7 @@ class _Worker:
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
+        self.pending = 0  # queued or running; changed under _order_lock
         threading.Thread(target=self._loop, name="minidist-ring", daemon=True).start()
 
     def _loop(self) -> None:
@@ -81,29 +82,38 @@ class _Worker:
             try:
                 fn()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                work._finish(e)
+                error = e
             else:
-                work._finish()
+                error = None
+            with _order_lock:
+                self.pending -= 1
+            work._finish(error)
 
     def submit(self, fn) -> RingWork:
         work = RingWork()
+        self.pending += 1
         self._jobs.put((fn, work))
         return work
 
 
 _worker: _Worker | None = None
-_worker_lock = threading.Lock()
+# Held while a call is issued (and while a synchronous one runs on its caller's thread):
+# the order calls are issued in is the order they run in.
+_order_lock = threading.Lock()
 
 
 def _run(fn, async_op: bool) -> RingWork | None:
-    """Queue fn on the worker; wait for it unless async_op. Synchronous calls queue too: every
-    ring call of this process must run in issue order, or the messages of a call made now
-    would cross those of calls still in flight (they share the tag)."""
+    """Run fn in issue order: on the worker thread, or, for a synchronous call with nothing
+    queued, right here (no thread hop). A synchronous call never overtakes an asynchronous
+    one still in flight: their messages share the tag and would cross."""
     global _worker
-    with _worker_lock:
+    with _order_lock:
         if _worker is None:
             _worker = _Worker()
-    work = _worker.submit(fn)
+        if not async_op and _worker.pending == 0:
+            fn()
+            return None
+        work = _worker.submit(fn)
     if async_op:
         return work
     work.wait()
