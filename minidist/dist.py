@@ -163,10 +163,22 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
     return _CONTEXT
 
 
+_BEFORE_SHUTDOWN: list = []
+
+
+def before_shutdown(fn) -> None:
+    """Run fn() in shutdown() before the process groups go (e.g. to finish communication in flight:
+    gloo aborts the process when a group is destroyed under a running transfer)."""
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
+
+
 def shutdown() -> None:
-    """Destroy the default process group (if any) and forget the context."""
+    """Finish what is in flight, destroy the default process group (if any), forget the context."""
     global _CONTEXT
     if dist.is_initialized():
+        for fn in _BEFORE_SHUTDOWN:
+            fn()
         dist.destroy_process_group()
     _CONTEXT = None
 

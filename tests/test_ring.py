@@ -173,3 +173,21 @@ def sync_call_behind_async_ones():
 
 def test_a_sync_call_waits_its_turn(ranks):
     assert all(ranks(3).run(sync_call_behind_async_ones, timeout_s=60))
+
+
+def shutdown_with_transfers_in_flight() -> bool:
+    """Fresh ranks (launched by run_local): large async ring gathers, then shutdown() at once."""
+    import minidist
+
+    ctx = minidist.init_distributed(backend="gloo", timeout_s=60)
+    n = ctx.world_size
+    handles = [comm.all_gather_into(torch.empty(n * (4 << 20)), torch.ones(4 << 20), algorithm="ring",
+                                    async_op=True) for _ in range(3)]
+    minidist.shutdown()  # drains the ring first: destroying gloo under a transfer aborts the process
+    return all(h.is_completed() for h in handles)
+
+
+def test_shutdown_waits_for_ring_calls_in_flight():
+    from minidist.launch import run_local
+
+    assert all(run_local(shutdown_with_transfers_in_flight, nproc=2).values())

@@ -36,6 +36,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from minidist.dist import before_shutdown
+
 RING_TAG = 0x6D64  # "md": ring traffic only
 PIECE_BYTES = 1 << 20
 # Below these sizes per chunk, one step beats n-1: every rank sends each chunk straight to
@@ -110,6 +112,7 @@ def _run(fn, async_op: bool) -> RingWork | None:
     with _order_lock:
         if _worker is None:
             _worker = _Worker()
+            before_shutdown(drain)
         if not async_op and _worker.pending == 0:
             fn()
             return None
@@ -118,6 +121,11 @@ def _run(fn, async_op: bool) -> RingWork | None:
         return work
     work.wait()
     return None
+
+
+def drain() -> None:
+    """Return once every ring call issued so far has finished (minidist.shutdown() calls it)."""
+    _run(lambda: None, async_op=False)  # queued behind them all, or inline when nothing is queued
 
 
 def _global(group, k: int) -> int:

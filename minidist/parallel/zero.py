@@ -120,6 +120,10 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
     def _after_optimizer_step(self) -> None:
         """Stages 1-2 gather the updated shards into the full parameters; stage 3 does it lazily."""
 
+    def wait_for_parameters(self) -> None:
+        """Block until every updated parameter has arrived (stages 1-2 gather them asynchronously
+        after optimizer.step(); forward waits by itself). Stage 3 has nothing pending."""
+
     def _before_forward(self, args, kwargs):
         """What every stage's forward does first: sync buffers (native DDP's rule), cast inputs."""
         self._buffer_sync.before_forward(self._sync_enabled)
@@ -158,6 +162,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
         A collective: every rank must call it. With rank0_only, other ranks get {}.
         """
+        self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         values: dict[int, torch.Tensor] = {}  # id(parameter) -> gathered value
         for shard in self._shards:
             flat = shard.full_fp32()
@@ -176,6 +181,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         Each entry is (start offset within the flattened parameter, values), so shards
         saved at one world size load at any other (see load_sharded_state_dict).
         """
+        self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         opt_state = self.optimizer.state_dict()
         params: dict[str, list] = {}
         optim: dict[str, dict[str, list]] = {}
@@ -241,6 +247,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes on this rank, measured from live storages (a storage is counted once)."""
+        self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         return measure({
             "parameters": [s.full for s in self._shards],
             "master_params": [s.master for s in self._shards],
@@ -417,7 +424,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def wait_for_parameters(self) -> None:
         """Block until every updated parameter has arrived. Forward does this by itself; call it
-        only to read the module's parameters between optimizer.step() and the next forward."""
+        to read the module's parameters between optimizer.step() and the next forward."""
         self._wait_gathers(list(self._pending_gathers))
 
     def _gradient_tensors(self) -> list[torch.Tensor]:
