@@ -116,18 +116,20 @@ def test_async_ring_calls_overlap(world_size, ranks):
 
 def traced_once():
     n = dist.get_world_size()
+    big = 1 << 20  # elements: a 4 MiB fp32 all_gather, where the ring starts to win
     with comm.CommTracer() as tracer:
         out = torch.empty(100)
         comm.reduce_scatter_tensor(out, torch.ones(n * 100), algorithm="auto")
         comm.all_gather_into(torch.empty(n * 100), out, algorithm="auto", async_op=True).wait()
+        comm.all_gather_into(torch.empty(big), torch.ones(big // n), algorithm="auto", async_op=True).wait()
         comm.all_reduce(torch.ones(10), algorithm="auto")
     return [(rec.op, rec.algorithm, rec.bytes, rec.sent_bytes) for rec in tracer.records]
 
 
-def test_ring_is_traced_as_one_collective_and_auto_picks_it_on_gloo(ranks):
+def test_ring_is_traced_as_one_collective_and_auto_picks_it_where_it_wins(ranks):
     records = ranks(4).run(traced_once)[0]
-    assert records == [("reduce_scatter", "ring", 1600, 1200.0), ("all_gather", "ring", 1600, 1200.0),
-                       ("all_reduce", "backend", 40, 60.0)]
+    assert records == [("reduce_scatter", "ring", 1600, 1200.0), ("all_gather", "backend", 1600, 1200.0),
+                       ("all_gather", "ring", 4 << 20, 3 << 20), ("all_reduce", "backend", 40, 60.0)]
 
 
 def ring_refuses_max():

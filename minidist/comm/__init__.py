@@ -186,18 +186,21 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
 
 
 ALGORITHMS = ("auto", "backend", "ring")
-# Where our send/recv ring measurably beats the backend (docs/benchmarks.md): gloo's
-# reduce_scatter and all_gather. gloo's all_reduce and every nccl collective stay.
-_RING_WINS = {"gloo": ("reduce_scatter", "all_gather")}
+# Where our send/recv ring measurably beats the backend (docs/benchmarks.md, recipes/bench_ring.py):
+# from how many bytes (the whole buffer) it wins. gloo's reduce_scatter at every size measured
+# (64 KiB up); gloo's all_gather from 4 MiB (below, at 2 ranks, gloo's is as fast or faster).
+# gloo's all_reduce and every nccl collective stay the backend's.
+_RING_WINS_FROM = {"gloo": {"reduce_scatter": 0, "all_gather": 4 << 20}}
 
 
-def choose_algorithm(op: str, group, algorithm: str) -> str:
-    """Resolve "auto" for `op` on `group`'s backend; check that "ring" can run there."""
+def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0) -> str:
+    """Resolve "auto" for `op` on `group`'s backend and an `nbytes` buffer; check that "ring" can run there."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     backend = dist.get_backend(group)
     if algorithm == "auto":
-        return "ring" if op in _RING_WINS.get(backend, ()) else "backend"
+        wins_from = _RING_WINS_FROM.get(backend, {}).get(op)
+        return "ring" if wins_from is not None and nbytes >= wins_from else "backend"
     if algorithm == "ring" and backend != "gloo":
         raise ValueError(f"the send/recv ring runs on gloo process groups, not {backend}: use algorithm='backend'")
     return algorithm
@@ -269,15 +272,15 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                algorithm: str = "backend") -> Handle | None:
     """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring."""
-    algorithm = _ring_for_sum("all_reduce", op, group, algorithm)
+    algorithm = _ring_for_sum("all_reduce", op, group, algorithm, _nbytes(tensor))
     rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_reduce(tensor, group=group, async_op=async_op), rec, async_op)
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
 
 
-def _ring_for_sum(op_name: str, op, group, algorithm: str) -> str:
-    algorithm = choose_algorithm(op_name, group, algorithm)
+def _ring_for_sum(op_name: str, op, group, algorithm: str, nbytes: int) -> str:
+    algorithm = choose_algorithm(op_name, group, algorithm, nbytes)
     if algorithm == "ring" and op != ReduceOp.SUM:
         raise ValueError(f"the ring {op_name} sums; for {op} use algorithm='backend'")
     return algorithm
@@ -294,7 +297,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
                     async_op: bool = False, algorithm: str = "backend") -> Handle | None:
     """Gather every rank's `input` into the flat `output` (world_size * input.numel()).
     algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins)."""
-    algorithm = choose_algorithm("all_gather", group, algorithm)
+    algorithm = choose_algorithm("all_gather", group, algorithm, _nbytes(output))
     rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_gather_into(output, input, group=group, async_op=async_op), rec, async_op)
@@ -312,7 +315,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           async_op: bool = False, algorithm: str = "backend") -> Handle | None:
     """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
     algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins)."""
-    algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm)
+    algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm, _nbytes(input))
     rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.reduce_scatter_tensor(output, input, group=group, async_op=async_op), rec, async_op)

@@ -57,7 +57,8 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
         collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's),
             "ring" (minidist.comm.ring, built from send/recv; gloo only) or "auto" (the ring
-            where it measurably wins: gloo; the backend's everywhere else, nccl always).
+            where it measurably wins: gloo's reduce_scatter, gloo's all_gather from 4 MiB;
+            the backend's everywhere else, nccl always: minidist.comm.choose_algorithm).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a forward
             whose previous forward synchronised gradients, as DataParallel and native DDP do.
         max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
