@@ -240,26 +240,24 @@ def _all_reduce(tensor: torch.Tensor, group, piece_bytes: int) -> None:
         tensor.copy_(padded[:numel].view_as(tensor))
 
 
-def _check_contiguous(*tensors: torch.Tensor) -> None:
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("ring collectives work on contiguous tensors: pass .contiguous() ones")
+def _check(op: str, flat: torch.Tensor, part: torch.Tensor, group) -> None:
+    """The flat buffer must hold world-size parts; ring transfers need contiguous tensors."""
+    if not (flat.is_contiguous() and part.is_contiguous()):
+        raise ValueError(f"ring {op} works on contiguous tensors: pass .contiguous() ones")
+    if flat.numel() != dist.get_world_size(group) * part.numel():
+        raise ValueError(f"ring {op}: the flat tensor has {flat.numel()} elements, expected world size x "
+                         f"{part.numel()}")
 
 
 def reduce_scatter_tensor(output, input, group=None, async_op=False, piece_bytes=None):
     """Rank r receives the sum over ranks of chunk r of the flat `input` (n * output.numel())."""
-    _check_contiguous(output, input)
-    if input.numel() != dist.get_world_size(group) * output.numel():
-        raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world size x "
-                         f"{output.numel()}")
+    _check("reduce_scatter", input, output, group)
     return _run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op)
 
 
 def all_gather_into(output, input, group=None, async_op=False, piece_bytes=None):
     """Every rank's `input` into the flat `output` (n * input.numel()), in rank order."""
-    _check_contiguous(output, input)
-    if output.numel() != dist.get_world_size(group) * input.numel():
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected world size x "
-                         f"{input.numel()}")
+    _check("all_gather", output, input, group)
     return _run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op)
 
 
