@@ -320,7 +320,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
         out = self.module(*args, **kwargs)
-        self._wait_gathers(list(self._pending_gathers))  # parameters forward did not use: current now too
+        self.wait_for_parameters()  # parameters forward did not use: current now too
         return out
 
     def _watch_parameter_use(self) -> None:
@@ -419,7 +419,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     def _after_optimizer_step(self) -> None:
         """Gather the updated shards into the full parameters, asynchronously: the last bucket
         (the first layers) first, as forward will need them, so the gathers overlap forward."""
-        self._wait_gathers(list(self._pending_gathers))  # a second step before any forward
+        self.wait_for_parameters()  # a second step before any forward
         for k in reversed(range(len(self._shards))):
             self._pending_gathers[k] = self._shards[k].gather_full(async_op=True)
 
