@@ -8,8 +8,11 @@ memory a backend keeps for itself). This measures resident set size (RSS) instea
 - every strategy runs in fresh processes, so nothing of an earlier one is counted;
 - MALLOC_MMAP_THRESHOLD_ makes glibc serve large allocations with mmap, so freeing a
   tensor gives its pages back and RSS goes down as live tensors do;
-- the baseline is taken after a throw-away model, optimizer step and collective have
-  run: the first AdamW step alone loads ~150 MiB of code and kernels no strategy owns.
+- the baseline is taken after the same strategy has trained a tiny model once: the
+  first AdamW step alone loads ~150 MiB of code and kernels no strategy owns, and
+  lazy imports, hooks and threads are set up then, not inside the measurement;
+- RSS means its anonymous part (RssAnon), where tensors live: pages of library code
+  faulted in as new kernels run are file-backed and left out.
 
 The result is compared with the ZeRO paper's bytes per parameter (fp32, Adam) plus
 what a strategy legitimately keeps besides: its gradient buckets or units in flight.
@@ -20,17 +23,23 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import nn
 
 # Large allocations through mmap (returned to the system on free); set before the ranks start.
 MMAP_THRESHOLD = "65536"
 
 
 def rss_bytes() -> int:
-    """This process's resident set size now (Linux: /proc/self/statm)."""
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
+    """This process's anonymous resident memory now: RssAnon in /proc/self/status (Linux).
+
+    That is the part of the resident set size holding heap and anonymous mappings, where
+    tensors live; file-backed pages (the code of torch's libraries, paged in as new
+    kernels run) are left out, so a first call into a library does not read as memory a
+    strategy holds."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    raise RuntimeError("no RssAnon in /proc/self/status (needs Linux 4.5 or later)")
 
 
 def formula_bytes(strategy: str, psi: int, n: int) -> int:
@@ -41,19 +50,39 @@ def formula_bytes(strategy: str, psi: int, n: int) -> int:
     return int(per[strategy])
 
 
-def _warm_up() -> None:
-    """Load the code and kernels every strategy needs, so the baseline includes them."""
-    from minidist import comm
+def _strategy_options(strategy: str, bucket_cap_mb: float, collectives: str):
+    from omegaconf import OmegaConf
 
-    net = nn.Linear(64, 64)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    net(torch.randn(8, 64)).sum().backward()
-    opt.step()
-    t = torch.ones(1024)
-    comm.all_reduce(t)
-    out = torch.empty(1024 // comm.dist.get_world_size())
-    comm.reduce_scatter_tensor(out, t, algorithm="auto")
-    comm.all_gather_into(t, out, algorithm="auto")
+    return OmegaConf.create({"name": strategy, "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True,
+                             "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 1,
+                             "collectives": collectives})
+
+
+def _train(strategy, sizes: list[int], steps: int):
+    """An MLP of `sizes` (its Linear layers as direct children: each a stage-3 unit) trained
+    `steps` AdamW steps with `strategy`; the last step keeps its gradients."""
+    from minidist.train.models import MLP
+
+    torch.manual_seed(0)
+    net = MLP(tuple(sizes)).net
+    model, opt = strategy.wrap(net, torch.optim.AdamW, {"lr": 1e-3})
+    x = torch.randn(8, sizes[0])
+    for step in range(steps):
+        model(x).sum().backward()
+        opt.step()
+        if step < steps - 1:
+            opt.zero_grad(set_to_none=True)
+    return net
+
+
+def _warm_up(strategy: str, bucket_cap_mb: float, collectives: str, ctx) -> None:
+    """Run the same strategy once on a tiny model, so every import, kernel, hook type and
+    thread it needs exists before the baseline: only the model's own state is measured."""
+    from minidist.train.strategy import build_strategy
+
+    tiny = build_strategy(_strategy_options(strategy, bucket_cap_mb, collectives), ctx)
+    _train(tiny, [64, 64, 64], steps=2)
+    tiny.memory_report()
 
 
 def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, collectives: str = "auto",
@@ -62,31 +91,17 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
     (gradients still held, as the ZeRO paper counts them), with what the strategy reports."""
     import gc
 
-    from omegaconf import OmegaConf
-
     import minidist
-    from minidist.train.models import MLP
     from minidist.train.strategy import build_strategy
 
     torch.set_num_threads(1)
     ctx = minidist.init_distributed(backend="gloo", timeout_s=120)
-    _warm_up()
+    _warm_up(strategy, bucket_cap_mb, collectives, ctx)
     gc.collect()
     baseline = rss_bytes()
-    torch.manual_seed(0)
-    net = MLP(tuple(sizes)).net  # the Sequential itself: each Linear is a child (a stage-3 unit)
+    s = build_strategy(_strategy_options(strategy, bucket_cap_mb, collectives), ctx)
+    net = _train(s, sizes, steps)
     psi = sum(p.numel() for p in net.parameters())
-    options = OmegaConf.create({"name": strategy, "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True,
-                                "find_unused_parameters": False, "broadcast_buffers": True,
-                                "min_unit_params": 1, "collectives": collectives})
-    s = build_strategy(options, ctx)
-    model, opt = s.wrap(net, torch.optim.AdamW, {"lr": 1e-3})
-    x = torch.randn(8, sizes[0])
-    for step in range(steps):
-        model(x).sum().backward()
-        opt.step()
-        if step < steps - 1:
-            opt.zero_grad(set_to_none=True)
     gc.collect()
     measured = rss_bytes() - baseline
     report = s.memory_report()
@@ -108,6 +123,8 @@ def within_target(r: dict) -> bool:
 def allocate_and_free(mib: int) -> tuple[int, int]:
     """(RSS growth with a `mib` MiB tensor alive, RSS growth left after freeing it): for checking
     that RSS follows live tensors in a process started by launch_fresh."""
+    warm = torch.ones(1 << 18)  # the same call once first: its code and first-use costs are not the tensor's
+    del warm
     baseline = rss_bytes()
     t = torch.ones(mib << 18)  # fp32: MiB x 2^18 elements; ones() touches every page
     alive = rss_bytes() - baseline
