@@ -50,14 +50,6 @@ def formula_bytes(strategy: str, psi: int, n: int) -> int:
     return int(per[strategy])
 
 
-def _strategy_options(strategy: str, bucket_cap_mb: float, collectives: str):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create({"name": strategy, "bucket_cap_mb": bucket_cap_mb, "gradient_as_bucket_view": True,
-                             "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 1,
-                             "collectives": collectives})
-
-
 def _train(strategy, sizes: list[int], steps: int):
     """An MLP of `sizes` (its Linear layers as direct children: each a stage-3 unit) trained
     `steps` AdamW steps with `strategy`; the last step keeps its gradients."""
@@ -75,12 +67,20 @@ def _train(strategy, sizes: list[int], steps: int):
     return net
 
 
+def _options(strategy: str, bucket_cap_mb: float, collectives: str):
+    from minidist.train.strategy import strategy_options
+
+    # min_unit_params=1: every Linear of the measured MLP is a stage-3 unit.
+    return strategy_options(strategy, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
+                            min_unit_params=1, collectives=collectives)
+
+
 def _warm_up(strategy: str, bucket_cap_mb: float, collectives: str, ctx) -> None:
     """Run the same strategy once on a tiny model, so every import, kernel, hook type and
     thread it needs exists before the baseline: only the model's own state is measured."""
     from minidist.train.strategy import build_strategy
 
-    tiny = build_strategy(_strategy_options(strategy, bucket_cap_mb, collectives), ctx)
+    tiny = build_strategy(_options(strategy, bucket_cap_mb, collectives), ctx)
     _train(tiny, [64, 64, 64], steps=2)
     tiny.memory_report()
 
@@ -99,7 +99,7 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
     _warm_up(strategy, bucket_cap_mb, collectives, ctx)
     gc.collect()
     baseline = rss_bytes()
-    s = build_strategy(_strategy_options(strategy, bucket_cap_mb, collectives), ctx)
+    s = build_strategy(_options(strategy, bucket_cap_mb, collectives), ctx)
     net = _train(s, sizes, steps)
     psi = sum(p.numel() for p in net.parameters())
     gc.collect()

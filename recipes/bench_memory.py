@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 
 from minidist.benchmarking import require_known, write_json
 from minidist.rss import launch_fresh, measure_state_rss, within_target
+from minidist.train.strategy import split_variant
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
               "zero1_backend", "zero2_backend", "zero3_backend"]
@@ -29,8 +30,7 @@ def main(cfg: DictConfig) -> None:
     rows = {}
     print(f"{'strategy':<15}{'RSS MiB':>9}{'formula':>9}{'in flight':>11}{'RSS/formula':>13}{'within bound':>14}")
     for name in cfg.strategies:
-        strategy = name.removesuffix("_backend")
-        collectives = "backend" if name.endswith("_backend") else "auto"
+        strategy, collectives = split_variant(name)
         ranks = launch_fresh(measure_state_rss, int(cfg.nproc), (strategy, list(cfg.sizes), float(cfg.bucket_cap_mb),
                                                                   collectives))
         r = ranks[0]

@@ -32,7 +32,7 @@ from minidist.benchmarking import PeakSampler, require_known, rotated, slowest, 
 from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
-from minidist.train.strategy import build_strategy
+from minidist.train.strategy import build_strategy, split_variant, strategy_options
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
             "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring
@@ -49,11 +49,10 @@ class Variant:
                        n_embd=g.n_embd)
         self.name = name
         # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
-        strategy = name.removesuffix("_backend")
-        collectives = "backend" if name.endswith("_backend") else "auto"  # auto: our ring on gloo
-        options = OmegaConf.create({"name": strategy, "bucket_cap_mb": 25, "gradient_as_bucket_view": True,
-                                    "find_unused_parameters": False, "broadcast_buffers": True,
-                                    "min_unit_params": int(cfg.min_unit_params), "collectives": collectives})
+        strategy, collectives = split_variant(name)  # collectives=auto: our ring on gloo
+        # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
+        options = strategy_options(strategy, gradient_as_bucket_view=True, collectives=collectives,
+                                   min_unit_params=int(cfg.min_unit_params))
         self.strategy = build_strategy(options, minidist.init_distributed())
         self.model, self.opt = self.strategy.wrap(self.net, torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.1})
 

@@ -290,6 +290,24 @@ class NativeFSDP(Strategy):
         set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+def split_variant(variant: str) -> tuple[str, str]:
+    """A benchmark variant -> (strategy name, collectives): "zero2_backend" is stage 2 with the
+    backend's reduce_scatter / all_gather, "zero2" stage 2 with collectives="auto"."""
+    return variant.removesuffix("_backend"), "backend" if variant.endswith("_backend") else "auto"
+
+
+def strategy_options(name: str, **overrides):
+    """A strategy config as configs/strategy/*.yaml hold one, for code that builds strategies
+    without Hydra (benchmarks, measurements); keyword arguments override the defaults."""
+    from omegaconf import OmegaConf
+
+    options = {"name": name, "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False,
+               "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 100_000,
+               "collectives": "auto"}
+    options.update(overrides)
+    return OmegaConf.create(options)
+
+
 def build_strategy(cfg, ctx) -> Strategy:
     """The strategy `cfg.name` names, configured by the rest of `cfg` (the strategy config group)."""
     name = cfg.name
