@@ -29,7 +29,7 @@ TINY = [
 def tiny_overrides(*extra: str, strategy: str = "ddp") -> list[str]:
     other_model = any(o.startswith(("model=", "data=")) for o in extra)
     overrides = [f"strategy={strategy}", *([] if other_model else TINY_GPT), *TINY, *extra]
-    if strategy in ("ddp", "native_ddp", "native_zero1", "single"):
+    if strategy in ("ddp", "native_ddp", "native_zero1", "single") or strategy.startswith("ds_"):
         overrides = [o for o in overrides if not o.startswith("strategy.min_unit_params")]
     return overrides
 
@@ -59,9 +59,10 @@ def train_on_rank(cfg_dict: dict, run_dir: str, resume_from: str | None = None) 
 
 
 def load_everything(ckpt: Path) -> dict:
-    """Every file of a checkpoint except meta.pt, loaded: name -> object (for bitwise comparison)."""
-    return {f.name: torch.load(f, map_location="cpu", weights_only=False)
-            for f in sorted(ckpt.iterdir()) if f.name != "meta.pt"}
+    """Every file of a checkpoint (subfolders too: DeepSpeed's) except meta.pt, loaded:
+    relative path -> object (for bitwise comparison)."""
+    return {str(f.relative_to(ckpt)): torch.load(f, map_location="cpu", weights_only=False)
+            for f in sorted(ckpt.rglob("*.pt")) if f.name != "meta.pt"}
 
 
 def assert_same(a, b, where: str = "") -> None:
@@ -77,5 +78,8 @@ def assert_same(a, b, where: str = "") -> None:
         assert isinstance(b, (list, tuple)) and len(a) == len(b), where
         for k, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{where}[{k}]")
+    elif hasattr(a, "__dict__") and type(a).__eq__ is object.__eq__:  # e.g. DeepSpeed's LossScaler: by fields
+        assert type(a) is type(b), where
+        assert_same(vars(a), vars(b), where)
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

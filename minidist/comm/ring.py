@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -99,16 +100,29 @@ class _Worker:
 
 
 _worker: _Worker | None = None
+span_listeners: list = []  # callables(label, start_s, end_s), told of every ring call that ran
 # Held while a call is issued (and while a synchronous one runs on its caller's thread):
 # the order calls are issued in is the order they run in.
 _order_lock = threading.Lock()
 
 
-def _run(fn, async_op: bool) -> RingWork | None:
+def _run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
     """Run fn in issue order: on the worker thread, or, for a synchronous call with nothing
     queued, right here (no thread hop). A synchronous call never overtakes an asynchronous
-    one still in flight: their messages share the tag and would cross."""
+    one still in flight: their messages share the tag and would cross.
+
+    `label` names the run for whoever watches: every callable in `span_listeners` gets
+    (label, start, end) in time.perf_counter() seconds once it ran (torch.profiler does not
+    see work on this module's Python thread; the comparison's timeline listens here)."""
     global _worker
+    plain = fn
+
+    def fn():
+        start = time.perf_counter()
+        plain()
+        for listener in list(span_listeners):
+            listener(label, start, time.perf_counter())
+
     with _order_lock:
         if _worker is None:
             _worker = _Worker()
@@ -252,15 +266,16 @@ def _check(op: str, flat: torch.Tensor, part: torch.Tensor, group) -> None:
 def reduce_scatter_tensor(output, input, group=None, async_op=False, piece_bytes=None):
     """Rank r receives the sum over ranks of chunk r of the flat `input` (n * output.numel())."""
     _check("reduce_scatter", input, output, group)
-    return _run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op)
+    return _run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op,
+                "ring:reduce_scatter")
 
 
 def all_gather_into(output, input, group=None, async_op=False, piece_bytes=None):
     """Every rank's `input` into the flat `output` (n * input.numel()), in rank order."""
     _check("all_gather", output, input, group)
-    return _run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op)
+    return _run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_gather")
 
 
 def all_reduce(tensor, group=None, async_op=False, piece_bytes=None):
     """Sum `tensor` over ranks in place (ring reduce_scatter, then ring all_gather)."""
-    return _run(lambda: _all_reduce(tensor, group, piece_bytes or PIECE_BYTES), async_op)
+    return _run(lambda: _all_reduce(tensor, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_reduce")

@@ -3,7 +3,9 @@
     strategy = build_strategy(cfg.strategy, ctx)
     model, optimizer = strategy.wrap(net, torch.optim.AdamW, {"lr": 3e-4})
     with strategy.no_sync(): loss.backward()      # accumulate without communication
+    strategy.backward(loss)                       # loss.backward(), or the engine's (DeepSpeed)
     strategy.clip_grad_norm_(1.0)                 # the global norm, whatever is sharded
+    strategy.optimizer_step(1.0, scaler)          # unscale, clip, step, zero_grad; returns the norm
     strategy.save(directory) / strategy.load(directory, saved_world_size)
     strategy.full_state_dict()                    # rank 0: the plain state_dict of net
     strategy.memory_report()                      # bytes on this rank, from live storages
@@ -15,6 +17,7 @@
 | native_ddp   | torch DistributedDataParallel                               | full       |
 | native_zero1 | DistributedDataParallel + ZeroRedundancyOptimizer           | full       |
 | native_fsdp  | fully_shard per unit (the units our stage 3 would pick), root | full     |
+| ds_zero1/2/3 | DeepSpeed's ZeRO engine (optional: minidist/train/deepspeed_strategy.py) | per rank |
 
 "full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded":
 every rank writes its shard with the offsets that let any world size load it.
@@ -34,7 +37,8 @@ from minidist.train.errors import ConfigError
 
 OURS = ("single", "ddp", "zero1", "zero2", "zero3")
 NATIVE = ("native_ddp", "native_zero1", "native_fsdp")
-STRATEGIES = OURS + NATIVE
+DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
+STRATEGIES = OURS + NATIVE + DEEPSPEED
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +75,20 @@ class Strategy:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm and return it (before clipping)."""
         return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's loss (already divided by the accumulation steps)."""
+        loss.backward()
+
+    def optimizer_step(self, max_norm: float, scaler) -> torch.Tensor:
+        """End of an optimizer step: unscale (fp16), clip to `max_norm` by the global norm, step,
+        zero the gradients. Returns the norm before clipping."""
+        scaler.unscale_(self.optimizer)
+        norm = self.clip_grad_norm_(max_norm)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
 
     def full_state_dict(self) -> dict:
         """The plain state_dict of the bare model on rank 0 ({} elsewhere). A collective."""
@@ -134,7 +152,9 @@ class OursDDP(Strategy):
         model = DataParallel(net, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
                              gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
                              find_unused_parameters=bool(self.cfg.find_unused_parameters),
-                             broadcast_buffers=bool(self.cfg.broadcast_buffers))
+                             broadcast_buffers=bool(self.cfg.broadcast_buffers),
+                             overlap=bool(self.cfg.get("overlap", True)),
+                             comm_hook=str(self.cfg.get("comm_hook", "allreduce")))
         return model, optim_cls(net.parameters(), **optim_kwargs)
 
     def memory_report(self):
@@ -303,7 +323,7 @@ def strategy_options(name: str, **overrides):
 
     options = {"name": name, "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False,
                "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 100_000,
-               "collectives": "auto"}
+               "collectives": "auto", "overlap": True, "comm_hook": "allreduce"}
     options.update(overrides)
     return OmegaConf.create(options)
 
@@ -315,5 +335,9 @@ def build_strategy(cfg, ctx) -> Strategy:
         raise ConfigError(f"strategy={name!r} is unknown: choose one of {list(STRATEGIES)}")
     if name.startswith("zero"):
         return OursZero(cfg, ctx, int(name[-1]))
+    if name.startswith("ds_zero"):
+        from minidist.train.deepspeed_strategy import DeepSpeedZero
+
+        return DeepSpeedZero(cfg, ctx, int(name[-1]))
     return {"single": Single, "ddp": OursDDP, "native_ddp": NativeDDP, "native_zero1": NativeZero1,
             "native_fsdp": NativeFSDP}[name](cfg, ctx)

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import minidist
@@ -32,6 +31,7 @@ from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
 from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
 from minidist.train.observe import RunLog
+from minidist.train.step import optimizer_step_over, task_loss
 from minidist.train.strategy import build_strategy
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -110,33 +110,23 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
 
     def _loss(self, out, y):
-        if self.is_text:
-            return F.cross_entropy(out.float().reshape(-1, out.size(-1)), y.reshape(-1))
-        return F.cross_entropy(out.float(), y)
+        return task_loss(out, y, self.is_text)
 
     def train_step(self, batches) -> dict:
         """One optimizer step over grad_accum micro-batches; returns this rank's measurements."""
         start = time.perf_counter()
         data_s = 0.0
-        loss_sum = torch.zeros((), device=self.ctx.device)
         with comm.CommTracer() as tracer:
-            for micro in range(self.grad_accum):
+            micro_batches = []
+            for _ in range(self.grad_accum):
                 t0 = time.perf_counter()
                 x, y = collate(self.train_set, next(batches))
-                x, y = x.to(self.ctx.device, non_blocking=True), y.to(self.ctx.device, non_blocking=True)
+                micro_batches.append((x.to(self.ctx.device, non_blocking=True),
+                                      y.to(self.ctx.device, non_blocking=True)))
                 data_s += time.perf_counter() - t0
-                last = micro == self.grad_accum - 1
-                with (contextlib.nullcontext() if last else self.strategy.no_sync()):
-                    with self._autocast():
-                        loss = self._loss(self.model(x), y) / self.grad_accum
-                    self.scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            self.scaler.unscale_(self.optimizer)
             clip = float(self.cfg.trainer.grad_clip)
-            grad_norm = self.strategy.clip_grad_norm_(clip if clip > 0 else math.inf)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
+            loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, self._loss,
+                                                      clip if clip > 0 else math.inf, self.scaler, self._autocast)
             self.scheduler.step()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)

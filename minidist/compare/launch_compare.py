@@ -1,0 +1,126 @@
+"""recipes/compare.py's body: check the config, start (or be) the ranks, write the report.
+
+    status = launch(cfg, run_dir, command)   # 0, 1 (a minidist strategy off its reference), 2 (config error)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from minidist.launch import run_local, under_launcher
+from minidist.train.errors import ConfigError
+from minidist.train.strategy import DEEPSPEED, STRATEGIES
+
+
+def check_strategies(cfg) -> None:
+    """The strategies list itself: known names, no repeats, DeepSpeed installed when asked for."""
+    names = list(cfg.compare.strategies)
+    if not names:
+        raise ConfigError("compare.strategies is empty: name at least one, e.g. compare.strategies=[ddp,native_ddp]")
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"compare.strategies: {unknown} unknown; choose from {list(STRATEGIES)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"compare.strategies={names} names a strategy twice: each runs once per step")
+    if any(n in DEEPSPEED for n in names):
+        import torch
+
+        from minidist.train.deepspeed_strategy import import_deepspeed
+
+        gpu = torch.cuda.is_available() and str(cfg.launcher.backend) != "gloo"
+        import_deepspeed("cuda" if gpu else "cpu")  # a ConfigError saying how to install it, if missing
+    for key in ("steps", "warmup"):
+        value = cfg.compare[key]
+        if not isinstance(value, int) or value < (1 if key == "steps" else 0):
+            raise ConfigError(f"compare.{key}={value!r} must be an integer >= {1 if key == 'steps' else 0}")
+    if not float(cfg.compare.tolerance) >= 0:
+        raise ConfigError(f"compare.tolerance={cfg.compare.tolerance!r} must be >= 0")
+    unknown_refs = {k: v for k, v in cfg.compare.references.items() if k not in STRATEGIES or v not in STRATEGIES}
+    if unknown_refs:
+        raise ConfigError(f"compare.references: {unknown_refs} names unknown strategies; choose from {list(STRATEGIES)}")
+    if str(cfg.trainer.precision) == "fp16":
+        raise ConfigError("trainer.precision=fp16: the comparison runs fp32 or bf16 (loss scaling differs between "
+                          "DeepSpeed and torch's GradScaler, so the runs would not be comparable); use fp32 or bf16")
+
+
+def validate_each(cfg, world_size: int, run_dir: Path) -> None:
+    """The trainer's own checks (model/data match, batch sizes, ranks vs samples) for every strategy."""
+    from minidist.train.config_check import validate
+
+    for name, options in cfg.compare.options.items():
+        single = OmegaConf.merge(cfg, {"strategy": options})
+        validate(single, world_size, run_dir)
+
+
+def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
+    """Rank 0's (or the launching process's) last part: every output, the console table, the status."""
+    from minidist.compare.plots import all_plots
+    from minidist.compare.report import (build_rows, console_table, environment_info, regressions, targets_lines,
+                                         write_outputs)
+    from minidist.compare.timeline import write_chrome_trace
+
+    rows = build_rows(results, cfg.compare)
+    timeline_files = []
+    if bool(cfg.compare.timeline):
+        for name, traces in results["timelines"].items():
+            path = run_dir / f"timeline_{name}.json"
+            write_chrome_trace(traces, path, name)
+            timeline_files.append(path.name)
+    results["timeline_files"] = timeline_files
+    files = write_outputs(results, rows, run_dir, environment_info(results["backend"]), command)
+    plots = all_plots(results, rows, run_dir, bool(cfg.compare.timeline))
+    print("\n" + console_table(rows))
+    for line in targets_lines(rows):
+        print(line)
+    print(f"\nreport       {files['report']}\nresults      {files['csv']}, {files['json']}, {files['losses']}\n"
+          f"plots        {', '.join(p.name for p in plots)}\n"
+          f"tensorboard  tensorboard --logdir {files['tensorboard']}")
+    failed = regressions(rows)
+    if failed:
+        details = ", ".join(f"{n} vs {rows[n]['reference']}: {rows[n]['final_param_diff']:.3g}" for n in failed)
+        print(f"error: final parameters differ beyond compare.tolerance={float(cfg.compare.tolerance):g} ({details})",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rank_main(cfg_dict: dict, run_dir: str, command: str) -> int | None:
+    """One rank under torchrun: compare, then rank 0 writes the report."""
+    from minidist.compare.run import compare_rank
+
+    results = compare_rank(cfg_dict, run_dir)
+    if results is None:
+        return None
+    return write_report(results, OmegaConf.create(cfg_dict), Path(run_dir), command)
+
+
+def launch(cfg, run_dir: Path, command: str) -> int:
+    from minidist.train.launch_train import world_size_for
+
+    run_dir = Path(run_dir).absolute()
+    try:
+        world = world_size_for(cfg)
+        validate_each(cfg, world, run_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    if not under_launcher() or os.environ.get("RANK") == "0":
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # the resolved config, once
+    if under_launcher():
+        return _rank_main(cfg_dict, str(run_dir), command) or 0
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from minidist.compare.run import compare_rank
+
+    try:
+        out = run_local(compare_rank, nproc=world, args=(cfg_dict, str(run_dir)))
+    except ChildFailedError as e:
+        print(f"error: the comparison failed on rank(s) {sorted(e.failures)} (their traceback is above)", file=sys.stderr)
+        return 1
+    return write_report(out[0], cfg, run_dir, command)

@@ -1,0 +1,313 @@
+"""From a comparison's raw results to its report: rows, verdicts and the files in the run directory.
+
+    rows = build_rows(results, cfg.compare)        # one row per strategy, with its reference
+    write_outputs(results, rows, run_dir)          # report.md, results.csv/json, losses.csv, TensorBoard
+    failed = regressions(rows)                     # minidist strategies off their reference
+
+A minidist strategy is checked against its reference (compare.references: ddp ->
+native_ddp, zero1 -> native_zero1, zero2 -> ds_zero2, zero3 -> native_fsdp). When that
+reference is not in the run, native_ddp stands in when present (every strategy trains the
+same model on the same data, so all should agree). The check: the largest absolute
+difference of any final parameter or buffer <= compare.tolerance.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from minidist.compare.theory import theoretical_bytes
+from minidist.train.strategy import DEEPSPEED, NATIVE, OURS
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def kind(name: str) -> str:
+    return "minidist" if name in OURS else "native" if name in NATIVE else "deepspeed" if name in DEEPSPEED else "?"
+
+
+def reference_for(name: str, names: list[str], references: dict) -> str | None:
+    preferred = references.get(name)
+    if preferred in names and preferred != name:
+        return preferred
+    if name in OURS and "native_ddp" in names:
+        return "native_ddp"
+    return None
+
+
+def max_state_difference(a: dict, b: dict) -> float:
+    """Largest |a - b| over the keys both state_dicts hold (inf when a shape differs)."""
+    worst = 0.0
+    for key in a.keys() & b.keys():
+        x, y = a[key], b[key]
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel():
+            worst = max(worst, (x.double() - y.double()).abs().max().item())
+    return worst
+
+
+def _percentile_row(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else \
+        {"median": float("nan"), "min": float("nan"), "max": float("nan")}
+
+
+def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
+    names = results["strategies"]
+    references = dict(compare_cfg.references)
+    tolerance = float(compare_cfg.tolerance)
+    n, psi = results["world_size"], results["psi"]
+    rows = {}
+    for name in names:
+        per = results["per_step"][name]
+        ranks = results["timelines"][name]
+        memory = results["memory"][name]
+        measured = {}
+        for op in OPS:  # the busiest rank's bytes (ZeRO shards may be uneven)
+            sent = [t["bytes"].get(op, {}).get("sent_bytes", 0.0) for t in ranks.values()]
+            if any(sent):
+                measured[op] = max(sent)
+        hidden = [t["hidden_fraction"] for t in ranks.values() if t["hidden_fraction"] is not None]
+        state = max(memory, key=lambda m: m["model_state"].get("total", 0))["model_state"]
+        rows[name] = {
+            "strategy": name, "kind": kind(name), "reference": reference_for(name, names, references),
+            "final_loss": per["loss"][-1],
+            "step_s": _percentile_row(per["step_s"]),
+            "blocked_s": statistics.median(per["blocked_s"]) if per["blocked_s"] else None,
+            "comm_s": max(t["comm_s"] for t in ranks.values()),
+            "exposed_comm_s": max(t["exposed_comm_s"] for t in ranks.values()),
+            "hidden_fraction": statistics.mean(hidden) if hidden else None,
+            "model_state_bytes": state,
+            "peak_bytes": max(m["peak_bytes"] for m in memory),
+            "bytes_per_step": measured,
+            "theory_bytes_per_step": theoretical_bytes(name, psi, n),
+        }
+    for name, row in rows.items():
+        ref = row["reference"]
+        if ref is None:
+            row.update(max_loss_diff=None, final_param_diff=None, time_ratio=None, tolerance=tolerance, ok=None)
+            continue
+        losses, ref_losses = results["per_step"][name]["loss"], results["per_step"][ref]["loss"]
+        diff = max_state_difference(results["finals"][name], results["finals"][ref])
+        row.update(
+            max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            final_param_diff=diff, tolerance=tolerance,
+            time_ratio=row["step_s"]["median"] / rows[ref]["step_s"]["median"],
+            # only our strategies are held to it: the others are the references
+            ok=(diff <= tolerance) if row["kind"] == "minidist" else None,
+        )
+    return rows
+
+
+def regressions(rows: dict) -> list[str]:
+    """Our strategies whose final parameters differ from their reference beyond the tolerance."""
+    return [name for name, r in rows.items() if r["ok"] is False]
+
+
+# --------------------------------------------------------------------------- formatting
+
+def _ms(s):
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def _mib(b):
+    if b is None:
+        return "-"
+    return "<0.01" if 0 < b < 0.005 * 2**20 else f"{b / 2**20:.2f}"
+
+
+def _sci(x):
+    return "-" if x is None else ("0" if x == 0 else f"{x:.1e}")
+
+
+def _pct(x):
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _verdict(r):
+    return "-" if r["ok"] is None else ("ok" if r["ok"] else "DIFFERS")
+
+
+TABLE = [  # (header, cell)
+    ("strategy", lambda r: r["strategy"]),
+    ("reference", lambda r: r["reference"] or "-"),
+    ("max loss diff", lambda r: _sci(r["max_loss_diff"])),
+    ("final param diff", lambda r: _sci(r["final_param_diff"])),
+    ("check", _verdict),
+    ("step ms (min-max)", lambda r: f"{_ms(r['step_s']['median'])} ({_ms(r['step_s']['min'])}-{_ms(r['step_s']['max'])})"),
+    ("/ ref", lambda r: _ratio(r["time_ratio"])),
+    ("exposed comm ms", lambda r: _ms(r["exposed_comm_s"])),
+    ("hidden", lambda r: _pct(r["hidden_fraction"])),
+    ("state MiB", lambda r: _mib(r["model_state_bytes"].get("total"))),
+    ("peak MiB", lambda r: _mib(r["peak_bytes"])),
+]
+
+
+def table_rows(rows: dict) -> tuple[list[str], list[list[str]]]:
+    return [h for h, _ in TABLE], [[cell(r) for _, cell in TABLE] for r in rows.values()]
+
+
+def console_table(rows: dict) -> str:
+    headers, body = table_rows(rows)
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(b) for b in body)])
+
+
+def markdown_table(headers: list[str], body: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+                      *("| " + " | ".join(b) + " |" for b in body)])
+
+
+def bytes_table(rows: dict) -> str:
+    headers = ["strategy", *(f"{op} MiB (theory)" for op in OPS)]
+    body = []
+    for r in rows.values():
+        cells = [r["strategy"]]
+        for op in OPS:
+            m, t = r["bytes_per_step"].get(op), r["theory_bytes_per_step"].get(op)
+            cells.append("-" if m is None and t is None else f"{_mib(m or 0)} ({_mib(t) if t else '-'})")
+        body.append(cells)
+    return markdown_table(headers, body)
+
+
+def memory_table(rows: dict) -> str:
+    cats = ("parameters", "gradients", "optimizer_state", "comm_buffers")
+    headers = ["strategy", *(f"{c} MiB" for c in cats), "total MiB", "peak MiB"]
+    body = [[r["strategy"], *(_mib(r["model_state_bytes"].get(c, 0)) for c in cats),
+             _mib(r["model_state_bytes"].get("total")), _mib(r["peak_bytes"])] for r in rows.values()]
+    return markdown_table(headers, body)
+
+
+def targets_lines(rows: dict) -> list[str]:
+    """Each minidist strategy's step time against its reference's (target: ratio <= 1.00)."""
+    out = []
+    for r in rows.values():
+        if r["kind"] == "minidist" and r["time_ratio"] is not None:
+            met = "met" if r["time_ratio"] <= 1.0 else "NOT met"
+            out.append(f"- {r['strategy']} / {r['reference']}: {r['time_ratio']:.3f} (target <= 1.00: {met})")
+    return out
+
+
+def report_markdown(results: dict, rows: dict, environment: dict, command: str) -> str:
+    headers, body = table_rows(rows)
+    lines = [
+        f"# Comparison: {', '.join(results['strategies'])}",
+        "",
+        f"`{command}`",
+        "",
+        f"{results['model']} ({results['psi'] / 1e6:.2f}M parameters) on {results['data']}, "
+        f"{results['world_size']} rank(s), {results['backend']}, global batch {results['global_batch']}; "
+        f"{results['warmup']} warm-up + {results['steps']} timed steps, strategies interleaved step by step "
+        f"(rotating order) on the same batches from the same initial weights.",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in environment.items()),
+        "",
+        markdown_table(headers, body),
+        "",
+        "- *final param diff*: the largest |difference| of any parameter or buffer after the last step, "
+        f"against the reference; *check*: ours within the tolerance {float(rows and next(iter(rows.values()))['tolerance']):g}.",
+        "- *step ms*: median (min-max) of the slowest rank's step time; */ ref*: ratio of medians.",
+        "- *exposed comm*, *hidden*: from one profiled step — communication time (the backend's collectives "
+        "from start to end, our ring's runs) not overlapped / overlapped with compute on the training thread.",
+        "- *state*: parameters, gradients, optimizer state (and our communication buffers) on the busiest "
+        "rank, from live storages just before the optimizer step; *peak*: state before the step plus the largest "
+        "rise of live tensor bytes sampled during it. Native DDP's buckets live in C++ and are not seen.",
+        "",
+        "## Step time against the reference",
+        "",
+        *(targets_lines(rows) or ["- (no minidist strategy with a reference in this run)"]),
+        "",
+        "## Communication per optimizer step (bytes this rank sends, ring model; theory in brackets)",
+        "",
+        bytes_table(rows),
+        "",
+        "## Model state per rank",
+        "",
+        memory_table(rows),
+        "",
+        "Plots: loss.png, step_time.png, memory.png, bytes_per_op.png" +
+        (", timeline_*.png (Chrome traces: timeline_*.json)" if results.get("timeline_files") else "") + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- files
+
+def _flat(row: dict) -> dict:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                out[f"{k}.{kk}"] = vv
+        else:
+            out[k] = v
+    return out
+
+
+def write_csv(rows: dict, path: Path) -> None:
+    flat = [_flat(r) for r in rows.values()]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def write_losses_csv(results: dict, path: Path) -> None:
+    names = results["strategies"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", *names])
+        for k in range(len(results["per_step"][names[0]]["loss"])):
+            w.writerow([k + 1, *(repr(results["per_step"][n]["loss"][k]) for n in names)])
+
+
+def write_tensorboard(results: dict, directory: Path) -> None:
+    """Each strategy its own run under one log directory: TensorBoard overlays their curves."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name in results["strategies"]:
+        per = results["per_step"][name]
+        with SummaryWriter(str(directory / name)) as w:
+            for k, loss in enumerate(per["loss"]):
+                w.add_scalar("train/loss", loss, k + 1)
+                w.add_scalar("grad_norm", per["grad_norm"][k], k + 1)
+            for k, s in enumerate(per["step_s"]):
+                w.add_scalar("time/step_s", s, results["warmup"] + k + 1)
+
+
+def json_ready(results: dict, rows: dict, environment: dict) -> dict:
+    """Everything but the final state_dicts (tensors), as plain JSON."""
+    return {"environment": environment, "rows": rows,
+            **{k: v for k, v in results.items() if k != "finals"}}
+
+
+def write_outputs(results: dict, rows: dict, run_dir: Path, environment: dict, command: str) -> dict[str, Path]:
+    run_dir = Path(run_dir)
+    files = {"report": run_dir / "report.md", "csv": run_dir / "results.csv", "json": run_dir / "results.json",
+             "losses": run_dir / "losses.csv", "tensorboard": run_dir / "tensorboard"}
+    files["report"].write_text(report_markdown(results, rows, environment, command))
+    write_csv(rows, files["csv"])
+    write_losses_csv(results, files["losses"])
+    files["json"].write_text(json.dumps(json_ready(results, rows, environment), indent=1, default=str))
+    write_tensorboard(results, files["tensorboard"])
+    return files
+
+
+def environment_info(backend: str) -> dict:
+    import os
+    import platform
+
+    from minidist.train.deepspeed_strategy import deepspeed_version
+
+    return {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "deepspeed": deepspeed_version() or "not installed", "backend": backend}

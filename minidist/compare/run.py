@@ -1,0 +1,169 @@
+"""The comparison on one rank: every strategy on the same weights and batches, interleaved.
+
+    results = compare_rank(cfg_dict, run_dir)    # on every rank; rank 0 gets the results
+
+1. Build one Replica per strategy (same initial weights, same optimizer and schedule).
+2. Each step: fetch the micro-batches once, then step every replica on them in an order
+   that rotates each step, so machine noise hits all strategies alike. A barrier before
+   each replica's step; its time is the slowest rank's. The first `warmup` steps are
+   trained but not timed.
+3. One more step per replica under torch.profiler: the timeline (phases, compute,
+   communication), the hidden fraction and the bytes per op of every collective call.
+4. One more step per replica with live tensor bytes sampled (forward of every module,
+   every 8th gradient): the peak. Model-state bytes are the strategy's own report of its
+   live storages, taken just before the optimizer step (gradients still held).
+5. The final full state_dict of each replica (rank 0), compared with its reference's.
+Every replica takes exactly the same steps, so their final states are comparable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+import minidist
+from minidist import comm
+from minidist.benchmarking import PeakSampler, rotated, slowest
+from minidist.compare.replica import Replica
+from minidist.compare.timeline import record_step
+from minidist.memory import live_tensor_bytes
+from minidist.train.config_check import grad_accum_steps
+from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.models import count_parameters
+
+NO_OVERLAP = "ddp_no_overlap"  # the timeline's extra: ddp reducing every bucket after backward
+
+
+def unique_parameters(net) -> int:
+    return count_parameters(net)  # Module.parameters() yields a tied weight once
+
+
+def _micro_batches(train_set, batches, grad_accum: int, device):
+    out = []
+    for _ in range(grad_accum):
+        x, y = collate(train_set, next(batches))
+        out.append((x.to(device), y.to(device)))
+    return out
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    t = value.detach().double().reshape(1).cpu()
+    comm.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    comm.all_reduce(t, op=comm.ReduceOp.MAX)
+    return t.item()
+
+
+def measure_memory(replica: Replica, micro_batches) -> dict:
+    """One step with live tensor bytes sampled: model state (the strategy's report, before the
+    optimizer step) and the peak this replica would have alone: its state before the step plus
+    the largest rise of live bytes during it (every other replica's tensors stay constant)."""
+    strategy = replica.strategy
+    before_step = strategy.memory_report()  # parameters and optimizer state; gradients were freed
+    at_optimizer: dict = {}
+    plain_step = strategy.optimizer_step
+
+    def measured_step(*args):  # gradients are complete and still held here: what the ZeRO paper counts
+        at_optimizer.update(strategy.memory_report())
+        return plain_step(*args)
+
+    strategy.optimizer_step = measured_step
+    sampler = PeakSampler(list(replica.net.modules()), list(replica.net.parameters()))
+    try:
+        baseline = live_tensor_bytes()
+        sampler.active = True
+        replica.step(micro_batches)
+        sampler.sample()
+    finally:
+        sampler.remove()
+        del strategy.optimizer_step  # back to the class's method
+    return {"model_state": at_optimizer, "peak_bytes": before_step["total"] + max(0, sampler.peak - baseline)}
+
+
+def compare_rank(cfg_dict: dict, run_dir: str) -> dict | None:
+    cfg = OmegaConf.create(cfg_dict)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
+    try:
+        return _compare(cfg, ctx)
+    finally:
+        minidist.shutdown()
+
+
+def _compare(cfg, ctx) -> dict | None:
+    c, t = cfg.compare, cfg.trainer
+    grad_accum = grad_accum_steps(cfg, ctx.world_size)
+    block_size = int(cfg.model.get("block_size", 0)) or 1
+    torch.manual_seed(int(t.seed))
+    train_set, _, info = build_datasets(cfg.data, block_size)
+    sampler = ShardedBatchSampler(len(train_set), ctx.rank, ctx.world_size, int(t.micro_batch_size), seed=int(t.seed))
+    batches = iter(sampler)
+    names = list(c.strategies)
+    warmup, steps = int(c.warmup), int(c.steps)
+    total = warmup + steps + 2  # + the profiled step and the memory step
+    options = c.options
+    replicas = {n: Replica(n, options[n], cfg, info, ctx, total) for n in names}
+    psi = unique_parameters(replicas[names[0]].net)
+    minidist.print0(f"compare: {', '.join(names)} on {cfg.model.name} ({psi / 1e6:.2f}M parameters), "
+                    f"{cfg.data.name}, {ctx.world_size} rank(s), {ctx.backend}; {warmup} warm-up + {steps} timed "
+                    f"steps, interleaved; global batch {int(t.micro_batch_size) * grad_accum * ctx.world_size}")
+
+    per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": []} for n in names}
+    started = time.perf_counter()
+    for step in range(warmup + steps):
+        micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+        for n in rotated(names, step):
+            comm.barrier()
+            m = replicas[n].step(micro)
+            row = per[n]
+            row["loss"].append(_mean_over_ranks(m["loss"]))
+            row["grad_norm"].append(m["grad_norm"])
+            if step >= warmup:
+                row["step_s"].append(slowest(m["seconds"]))
+                if m["blocked_s"] is not None:
+                    row["blocked_s"].append(_max_over_ranks(m["blocked_s"]))
+        if ctx.rank == 0 and (step + 1) % max(1, (warmup + steps) // 5) == 0:
+            print(f"  step {step + 1}/{warmup + steps} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+    # The profiled step: a timeline per replica (and, when asked, ddp without overlap).
+    micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+    timelines = {}
+    for n in names:
+        comm.barrier()
+        timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size)
+    if bool(c.timeline) and "ddp" in names:
+        extra = Replica(NO_OVERLAP, OmegaConf.merge(options["ddp"], {"overlap": False}), cfg, info, ctx, total)
+        for _ in range(2):  # warm: the first steps allocate buckets and optimizer state
+            extra.step(micro)
+        comm.barrier()
+        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size)
+        del extra
+
+    micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+    memory = {}
+    for n in names:
+        comm.barrier()
+        memory[n] = measure_memory(replicas[n], micro)
+
+    finals = {n: replicas[n].strategy.full_state_dict() for n in names}  # collectives; rank 0 holds them
+    gathered = comm.all_gather_object({"timelines": timelines, "memory": memory})
+    if ctx.rank != 0:
+        return None
+    return {
+        "world_size": ctx.world_size, "backend": ctx.backend, "psi": psi, "strategies": names,
+        "model": cfg.model.name, "data": cfg.data.name, "warmup": warmup, "steps": steps,
+        "global_batch": int(t.micro_batch_size) * grad_accum * ctx.world_size,
+        "per_step": per,
+        "timelines": {n: {r: g["timelines"][n] for r, g in enumerate(gathered)} for n in timelines},
+        "memory": {n: [g["memory"][n] for g in gathered] for n in names},
+        "finals": finals,
+        "wall_s": time.perf_counter() - started,
+    }

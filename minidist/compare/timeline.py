@@ -1,0 +1,249 @@
+"""One training step as a timeline: what each rank computes and communicates, and when.
+
+    trace = record_step(lambda: replica.step(batches), world_size)   # on every rank
+    trace["hidden_fraction"], trace["bytes"]                          # this rank's figures
+    write_chrome_trace({rank: trace, ...}, "timeline.json")           # open in Perfetto
+
+Sources, all measured in the step itself:
+- torch.profiler: the step's phases (the "minidist.forward/backward/optimizer" ranges of
+  minidist/train/step.py), every aten op on the training thread (compute), every
+  collective the backend ran ("gloo:all_reduce" ... on gloo's threads, from start to end),
+  and each collective call with its tensors' shapes (`c10d::allreduce_` ...: the bytes).
+- our send/recv ring collectives run on a Python thread the profiler does not see: they
+  report their spans through minidist.comm.ring.span_listeners, and their bytes through
+  the CommTracer.
+
+Communication is *hidden* where it overlaps compute on the training thread; the rest is
+exposed. Times are seconds from the start of the step on each rank's own clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from minidist import comm
+from minidist.comm import ring
+
+PHASES = ("minidist.forward", "minidist.backward", "minidist.optimizer")
+ANCHOR = "minidist.anchor"
+COMM_PREFIXES = ("gloo:", "nccl:", "ring:")
+
+# The collective calls as the dispatcher records them -> our op names (minidist.comm's).
+C10D_OPS = {
+    "c10d::allreduce_": "all_reduce", "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::_allgather_base_": "all_gather", "c10d::allgather_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::broadcast_": "broadcast", "c10d::reduce_": "reduce", "c10d::send": "send",
+}
+ELEMENT_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+                 "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def _numel(dims) -> int:
+    """Elements of a Tensor's dims ([a, b]) or a TensorList's ([[a, b], [c]])."""
+    if not dims:
+        return 1 if dims == [] else 0
+    if isinstance(dims[0], list):
+        return sum(_numel(d) for d in dims)
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def call_payload(name: str, args: dict) -> tuple[str, int] | None:
+    """(op, payload bytes S as minidist.comm.ring_bytes_sent defines it) of a c10d call event."""
+    op = C10D_OPS.get(name)
+    dims, types = args.get("Input Dims"), args.get("Input type")
+    if op is None or not dims:
+        return None
+    # A TensorList's dtype is not recorded: fp32 assumed (the comparison trains in fp32 or
+    # keeps fp32 master gradients); a plain Tensor's is.
+    size = ELEMENT_BYTES.get(types[0], 4) if types else 4
+    if op in ("all_gather", "reduce_scatter") and len(dims) >= 2 and not isinstance(dims[0][0] if dims[0] else 0, list):
+        # (output, input): S is the whole buffer, the gathered output or the scattered input
+        total = _numel(dims[0]) if op == "all_gather" else _numel(dims[1])
+    else:
+        total = _numel(dims[0])
+    return op, total * size
+
+
+def merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def length(intervals) -> float:
+    return sum(b - a for a, b in merge(intervals))
+
+
+def intersect(xs, ys) -> list[tuple[float, float]]:
+    xs, ys, out, i, j = merge(xs), merge(ys), [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(xs, ys) -> list[tuple[float, float]]:
+    """xs minus ys (both unions)."""
+    out = []
+    for a, b in merge(xs):
+        cur = a
+        for c, d in merge(ys):
+            if d <= cur or c >= b:
+                continue
+            if c > cur:
+                out.append((cur, c))
+            cur = max(cur, d)
+        if cur < b:
+            out.append((cur, b))
+    return out
+
+
+def _trace_events(prof) -> list[dict]:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    finally:
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """File descriptor 2 to /dev/null while inside: for native libraries' chatter only."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def record_step(run, world_size: int) -> dict:
+    """Run `run()` (one optimizer step) under the profiler and return this rank's timeline."""
+    main = threading.get_ident()
+    ring_spans: list[tuple[str, float, float, bool]] = []
+
+    def on_ring(label, start, end):
+        ring_spans.append((label, start, end, threading.get_ident() == main))
+
+    ring.span_listeners.append(on_ring)
+    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    try:
+        with comm.CommTracer() as tracer:
+            with native_stderr_silenced():  # kineto prints start/stop lines and a GPU probe error on CPU
+                prof.start()
+            try:
+                with record_function(ANCHOR):
+                    anchor = time.perf_counter()
+                run()
+            finally:
+                with native_stderr_silenced():
+                    prof.stop()
+    finally:
+        ring.span_listeners.remove(on_ring)
+    events = _trace_events(prof)
+    anchor_us = next(e["ts"] for e in events if e["name"] == ANCHOR)
+    ring_records = [r for r in tracer.records if r.algorithm == "ring"]
+    return analyse(events, anchor_us, [(n, a - anchor, b - anchor, inline) for n, a, b, inline in ring_spans],
+                   ring_records, world_size)
+
+
+def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, world_size: int) -> dict:
+    """Phases, compute and communication intervals, bytes per op and the hidden fraction."""
+    def span(e):
+        return (e["ts"] - anchor_us) / 1e6, (e["ts"] + e["dur"] - anchor_us) / 1e6
+
+    main_tid = next(e["tid"] for e in events if e["name"] == PHASES[0])
+    phases = [(e["name"].removeprefix("minidist."), *span(e)) for e in events if e["name"] in PHASES]
+    comm_spans = [(e["name"], *span(e)) for e in events if e["name"].startswith(COMM_PREFIXES)]
+    comm_spans += [(name, a, b) for name, a, b, _ in ring_spans]
+    inline_ring = [(a, b) for _, a, b, inline in ring_spans if inline]
+    busy = [span(e) for e in events if e["tid"] == main_tid and e["name"].startswith("aten::")
+            and "wait" not in e["name"]]
+    compute = subtract(merge(busy), inline_ring)  # a ring run inline is communication, not compute
+    # autograd's backward nodes: gradients being produced (a collective issued before the last
+    # one ends overlaps backward)
+    backward_nodes = merge([span(e) for e in events if e["tid"] == main_tid
+                            and e["name"].startswith("autograd::engine::evaluate_function")])
+
+    per_op: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
+    for e in events:
+        found = call_payload(e["name"], e.get("args", {}))
+        if found:
+            op, nbytes = found
+            row = per_op[op]
+            row["calls"] += 1
+            row["bytes"] += nbytes
+            row["sent_bytes"] += comm.ring_bytes_sent(op, nbytes, world_size)
+    for r in ring_records:
+        row = per_op[r.op]
+        row["calls"] += 1
+        row["bytes"] += r.bytes
+        row["sent_bytes"] += r.sent_bytes
+
+    comm_intervals = [(a, b) for _, a, b in comm_spans]
+    comm_s = length(comm_intervals)
+    hidden_s = length(intersect(comm_intervals, compute))
+    start = min(a for _, a, _ in phases)
+    end = max(b for _, _, b in phases)
+    return {
+        "step_s": end - start, "start_s": start,
+        "phases": phases, "compute": compute, "comm": comm_spans, "backward_nodes": backward_nodes,
+        "compute_s": length(compute), "comm_s": comm_s, "hidden_s": hidden_s,
+        "exposed_comm_s": comm_s - hidden_s,
+        "hidden_fraction": hidden_s / comm_s if comm_s > 0 else None,
+        "bytes": dict(per_op),
+    }
+
+
+def write_chrome_trace(traces: dict[int, dict], path, title: str) -> None:
+    """One Chrome trace (chrome://tracing, ui.perfetto.dev) of one step: a process per rank,
+    with a phase lane, a compute lane (busy intervals) and a communication lane."""
+    events = []
+    for rank, t in sorted(traces.items()):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"{title} rank {rank}"}})
+        for tid, lane in ((0, "phases"), (1, "compute"), (2, "communication")):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}})
+
+        def x(name, a, b, tid, **args):
+            events.append({"ph": "X", "name": name, "pid": rank, "tid": tid, "ts": (a - t["start_s"]) * 1e6,
+                           "dur": max(0.0, b - a) * 1e6, "args": args})
+        for name, a, b in t["phases"]:
+            x(name, a, b, 0)
+        for a, b in t["compute"]:
+            x("compute", a, b, 1)
+        for name, a, b in t["comm"]:
+            x(name, a, b, 2)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)

@@ -1,0 +1,172 @@
+"""DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface: a third party to compare with.
+
+    python recipes/compare.py compare.strategies=[zero2,ds_zero2]
+    python recipes/train.py strategy=ds_zero3
+
+DeepSpeed is optional (`pip install -e '.[deepspeed]'`). The adapter is thin:
+
+- `deepspeed.initialize` with the client torch optimizer (so AdamW is the same code as
+  ours and native's) and a config holding only what differs from DeepSpeed's defaults:
+  ZeRO stage, bucket sizes matched to `bucket_cap_mb`, clipping set per step.
+- Accumulation: DeepSpeed's ZeRO-2/3 have no `no_sync`; under our `no_sync()` the
+  adapter marks the micro-batch as not an accumulation boundary, which is DeepSpeed's
+  own mechanism for custom loops, and the loss is not divided again (the trainer
+  already divided it).
+- On CPU, DeepSpeed's communication backend compiles a shared-memory all_reduce with
+  g++ at start-up (into ~/.cache/torch_extensions). That op serves inference only
+  (`inference_all_reduce`); training never calls it. The adapter skips building it, so
+  DeepSpeed runs on a machine without a compiler and writes nothing into the home cache.
+- Reading stage-3 weights needs `deepspeed.zero.GatheredParameters` (each rank holds a
+  partition; the module's own tensors are empty placeholders).
+- Checkpoints are DeepSpeed's own (`engine.save_checkpoint`, one folder per checkpoint,
+  per-rank optimizer partitions) plus our plain model.pt for consolidation; resuming
+  needs the same world size, like every sharded-optimizer checkpoint of DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+
+import torch
+
+from minidist.memory import measure
+from minidist.train.errors import ConfigError
+from minidist.train.strategy import Strategy
+
+INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
+
+
+def import_deepspeed(device_type: str):
+    """Import DeepSpeed for `device_type` ("cpu" or "cuda"), without its inference-only C++ op."""
+    # DeepSpeed picks its accelerator once, from this variable, at first use.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device_type == "cpu" else "cuda")
+    try:
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401  (the module that would build the op)
+    except ImportError as e:
+        raise ConfigError(f"the ds_* strategies need DeepSpeed, which is not installed ({e}): {INSTALL_HINT}") from e
+    # `deepspeed.comm.torch` as an attribute is the torch package itself (that module imports
+    # torch under the same name), so patch the module through sys.modules.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    return deepspeed
+
+
+def deepspeed_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:
+        return None
+
+
+class DeepSpeedZero(Strategy):
+    """DeepSpeed ZeRO stage 1, 2 or 3 (`ds_zero1/2/3`)."""
+
+    traces_comm = False  # DeepSpeed calls torch.distributed itself
+
+    def __init__(self, cfg, ctx, stage: int):
+        super().__init__(cfg, ctx)
+        self.stage = stage
+        self.name = f"ds_zero{stage}"
+        self.engine = None
+        self._accumulating = False
+
+    def config(self) -> dict:
+        bucket = int(float(self.cfg.bucket_cap_mb) * 2**20 / 4)  # DeepSpeed counts elements (fp32 here)
+        zero = {"stage": self.stage, "reduce_bucket_size": bucket}
+        if self.stage < 3:
+            zero["allgather_bucket_size"] = bucket
+        return {
+            # Nominal: the trainer feeds the batches; DeepSpeed only checks the product.
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_allow_untested_optimizer": True,  # our client AdamW / SGD, not DeepSpeed's fused ones
+            "zero_optimization": zero,
+            "gradient_clipping": 0.0,  # set per step by optimizer_step
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        deepspeed = import_deepspeed(self.ctx.device.type)
+        client = optim_cls(net.parameters(), **optim_kwargs)
+        self.engine, _, _, _ = deepspeed.initialize(model=net, optimizer=client, config=self.config())
+        # The client optimizer is the one whose param_groups carry the lr: schedulers drive it.
+        return self.engine, client
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    def backward(self, loss):
+        self.engine.set_gradient_accumulation_boundary(not self._accumulating)
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, max_norm, scaler):
+        if scaler.is_enabled():
+            raise ConfigError(f"strategy={self.name} runs fp32 or bf16 here; fp16 loss scaling is DeepSpeed's own "
+                              "(its fp16 config), which this adapter does not wire: use trainer.precision=bf16")
+        self.engine.optimizer.clip_grad = 0.0 if math.isinf(max_norm) else float(max_norm)
+        self.engine.step()  # clips, steps the client optimizer, zeroes the gradients
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(0.0 if norm is None else norm, dtype=torch.float32)
+
+    def clip_grad_norm_(self, max_norm):
+        raise NotImplementedError("DeepSpeed clips inside engine.step(): call optimizer_step")
+
+    def _gathered(self):
+        """All parameters whole on every rank while inside (stage 3); nothing to do otherwise."""
+        if self.stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.net.parameters()), modifier_rank=None)
+
+    def full_state_dict(self):
+        with self._gathered():  # a collective at stage 3
+            state = {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()} \
+                if self.ctx.rank == 0 else {}
+        return state
+
+    def optimizer_state_dict(self):
+        raise NotImplementedError("DeepSpeed's optimizer state is partitioned: see save/load")
+
+    def load_full_state_dict(self, state):
+        raise NotImplementedError("DeepSpeed checkpoints are its own: see save/load")
+
+    def save(self, directory):
+        model = self.full_state_dict()
+        if self.ctx.rank == 0:
+            torch.save(model, directory / "model.pt")  # for `python -m minidist.checkpoint consolidate`
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
+
+    def load(self, directory, saved_world_size):
+        path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag="state",
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{directory / 'deepspeed'}: no DeepSpeed checkpoint there")
+
+    def memory_report(self):
+        """Live storages by category: the parameters this rank holds (stage 3: its partition),
+        DeepSpeed's gradient partitions and buffers, and the optimizer: the client's state plus
+        the fp32 master partitions DeepSpeed keeps beside the parameters."""
+        opt = self.engine.optimizer
+        params = [getattr(p, "ds_tensor", p) for p in self.net.parameters()]
+        masters = list(getattr(opt, "single_partition_of_fp32_groups", []) or
+                       getattr(opt, "fp32_partitioned_groups_flat", []))
+        grads = [m.grad for m in masters if m.grad is not None]
+        averaged = getattr(opt, "averaged_gradients", {}) or {}
+        grads += [g for gs in averaged.values() for g in (gs or []) if torch.is_tensor(g)]
+        grads += [p.grad for p in self.net.parameters() if p.grad is not None]
+        state = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return measure({"parameters": params, "gradients": grads, "optimizer_state": state + masters})

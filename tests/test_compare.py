@@ -1,0 +1,193 @@
+"""recipes/compare.py end to end (tiny GPT, 2 ranks, DeepSpeed included), and its parts.
+
+The end-to-end runs check every output the report promises, the exit status both ways
+(a lossy gradient hook on our ddp must fail the check against native DDP), the config
+errors, and that DeepSpeed runs without a compiler and builds nothing into HOME.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist.compare.report import max_state_difference, reference_for
+from minidist.compare.theory import theoretical_bytes
+from minidist.compare.timeline import analyse, call_payload, intersect, length, merge, subtract
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "recipes" / "compare.py"
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
+        "trainer.micro_batch_size=4", "compare.warmup=1", "compare.steps=3"]
+
+
+def compare(tmp_path, *overrides, home=None, path=None, name="run"):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if home is not None:
+        env["HOME"] = str(home)
+    if path is not None:
+        env.update(PATH=path, CC="/nonexistent/cc", CXX="/nonexistent/c++")
+    run_dir = tmp_path / name
+    out = subprocess.run([sys.executable, str(RECIPE), *TINY, *overrides, f"hydra.run.dir={run_dir}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return out, run_dir
+
+
+def test_compare_end_to_end_with_deepspeed(tmp_path):
+    """ours vs native vs DeepSpeed: every output written, ours equal to their references, exit 0;
+    DeepSpeed started with no compiler on PATH and a fresh HOME, and built nothing there."""
+    home = tmp_path / "home"
+    home.mkdir()
+    bare_path = str(Path(sys.executable).parent)  # python and the venv's scripts only: no g++, no cc
+    # Small buckets (several per step) so that overlap can show in the timeline.
+    out, run_dir = compare(tmp_path, "compare.strategies=[ddp,native_ddp,zero2,ds_zero2,zero3,native_fsdp]",
+                           "compare.timeline=true", "compare.bucket_cap_mb=0.02", home=home, path=bare_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    written = {str(f.relative_to(home)) for f in home.rglob("*") if f.is_file()}
+    # matplotlib's font cache is expected; a compiled extension (torch_extensions) is not
+    assert all(w.startswith((".cache/matplotlib/", ".config/matplotlib/")) for w in written), written
+    for name in ("report.md", "results.csv", "results.json", "losses.csv", "config.yaml", "loss.png",
+                 "step_time.png", "memory.png", "bytes_per_op.png", "timeline_ddp.png", "timeline_ddp.json",
+                 "timeline_ddp_no_overlap.png", "timeline_zero2.png", "timeline_zero3.json", "timeline_ds_zero2.png"):
+        assert (run_dir / name).is_file() and (run_dir / name).stat().st_size > 0, name
+    assert sorted(p.name for p in (run_dir / "tensorboard").iterdir()) == sorted(
+        ["ddp", "native_ddp", "zero2", "ds_zero2", "zero3", "native_fsdp"])
+
+    results = json.loads((run_dir / "results.json").read_text())
+    rows = results["rows"]
+    assert {r: rows[r]["reference"] for r in ("ddp", "zero2", "zero3")} == \
+        {"ddp": "native_ddp", "zero2": "ds_zero2", "zero3": "native_fsdp"}
+    for name in ("ddp", "zero2", "zero3"):
+        r = rows[name]
+        assert r["ok"] is True and r["final_param_diff"] <= 1e-5 and r["max_loss_diff"] <= 1e-5, (name, r)
+        assert r["time_ratio"] > 0 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
+        assert 0.0 <= r["hidden_fraction"] <= 1.0 and r["exposed_comm_s"] >= 0
+        assert r["model_state_bytes"]["total"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]["parameters"]
+    assert rows["ddp"]["final_param_diff"] == 0.0  # 2 ranks, same buckets order: bitwise
+    # Bytes measured from the calls themselves, next to the ring-model theory.
+    psi, n = results["psi"], results["world_size"]
+    assert rows["ddp"]["bytes_per_step"]["all_reduce"] == pytest.approx(2 * (n - 1) / n * 4 * psi)
+    assert rows["native_ddp"]["bytes_per_step"]["all_reduce"] == pytest.approx(2 * (n - 1) / n * 4 * psi)
+    assert rows["zero2"]["bytes_per_step"]["reduce_scatter"] == pytest.approx(rows["zero2"]["theory_bytes_per_step"]
+                                                                           ["reduce_scatter"], rel=0.01)
+    assert rows["zero3"]["bytes_per_step"]["all_gather"] == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=0.01)
+    # Our ddp's timeline: buckets are reduced while autograd still produces gradients; without
+    # overlap, every all_reduce starts after the last backward node.
+    for rank in ("0", "1"):
+        with_overlap, without = results["timelines"]["ddp"][rank], results["timelines"]["ddp_no_overlap"][rank]
+        starts = lambda t: [a for name, a, _ in t["comm"] if name == "gloo:all_reduce"]
+        assert len(starts(with_overlap)) >= 3
+        assert min(starts(with_overlap)) < with_overlap["backward_nodes"][-1][1]
+        assert min(starts(without)) >= without["backward_nodes"][-1][1]
+    trace = json.loads((run_dir / "timeline_ddp.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert any(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"])
+
+    report = (run_dir / "report.md").read_text()
+    for text in ("final param diff", "exposed comm", "Communication per optimizer step", "Model state per rank",
+                 "zero2 / ds_zero2", "deepspeed 0."):
+        assert text in report, text
+    with open(run_dir / "losses.csv") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["step", "ddp", "native_ddp", "zero2", "ds_zero2", "zero3", "native_fsdp"]
+    assert len(table) == 1 + 4  # warmup + steps
+    assert "ddp / native_ddp" in out.stdout and "report" in out.stdout
+
+
+def test_compare_exits_1_when_ours_differs(tmp_path):
+    """bf16-compressed gradients on our ddp: the final parameters drift from native DDP's -> exit 1."""
+    out, run_dir = compare(tmp_path, "compare.strategies=[ddp,native_ddp]", "+compare.overrides.ddp.comm_hook=bf16")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "final parameters differ beyond compare.tolerance" in out.stderr
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    assert rows["ddp"]["ok"] is False and rows["ddp"]["final_param_diff"] > 1e-5
+    assert (run_dir / "report.md").is_file()  # the report is still written
+    assert "DIFFERS" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("compare.strategies=[ddp,nope]", "compare.strategies: ['nope'] unknown"),
+    ("compare.strategies=[ddp,ddp]", "names a strategy twice"),
+    ("compare.steps=0", "compare.steps=0 must be an integer >= 1"),
+    ("trainer.precision=fp16", "trainer.precision=fp16: the comparison runs fp32 or bf16"),
+    ("trainer.micro_batch_size=100000", "fewer than one micro-batch"),
+])
+def test_config_errors_exit_2_with_one_line(tmp_path, override, message):
+    out, run_dir = compare(tmp_path, override)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], out.stderr[-2000:]
+    assert not (run_dir / "report.md").exists()
+
+
+def test_deepspeed_missing_names_the_install(tmp_path, monkeypatch):
+    import builtins
+
+    from minidist.train.deepspeed_strategy import import_deepspeed
+    from minidist.train.errors import ConfigError
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[deepspeed\]'"):
+        import_deepspeed("cpu")
+
+
+# --------------------------------------------------------------------------- the parts
+
+
+def test_interval_arithmetic():
+    assert merge([(3, 4), (0, 1), (0.5, 2)]) == [(0, 2), (3, 4)]
+    assert length([(0, 1), (0.5, 2)]) == 2
+    assert intersect([(0, 2), (3, 5)], [(1, 4)]) == [(1, 2), (3, 4)]
+    assert subtract([(0, 5)], [(1, 2), (3, 4)]) == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_call_payload_from_profiler_shapes():
+    assert call_payload("c10d::allreduce_", {"Input Dims": [[[10, 3]], [], []], "Input type": ["TensorList"]}) == \
+        ("all_reduce", 120)
+    # all_gather: (output, input) -> S is the gathered output; reduce_scatter: the scattered input
+    assert call_payload("c10d::_allgather_base_", {"Input Dims": [[16], [8], []], "Input type": ["float", "float"]}) \
+        == ("all_gather", 64)
+    assert call_payload("c10d::_reduce_scatter_base_", {"Input Dims": [[8], [16], []],
+                                                        "Input type": ["c10::BFloat16", "c10::BFloat16"]}) == \
+        ("reduce_scatter", 32)
+    assert call_payload("aten::add_", {"Input Dims": [[1]]}) is None
+
+
+def test_analyse_hidden_fraction_and_bytes():
+    """Communication half under compute, half after: hidden fraction 0.5, exposed 1 ms."""
+    us = 1000.0
+    events = [
+        {"name": "minidist.anchor", "ts": 0, "dur": 0, "tid": 1},
+        {"name": "minidist.forward", "ts": 0, "dur": 2 * us, "tid": 1},
+        {"name": "minidist.backward", "ts": 2 * us, "dur": 2 * us, "tid": 1},
+        {"name": "aten::mm", "ts": 0, "dur": 4 * us, "tid": 1},
+        {"name": "gloo:all_reduce", "ts": 3 * us, "dur": 2 * us, "tid": 7},
+        {"name": "c10d::allreduce_", "ts": 3 * us, "dur": 1, "tid": 1,
+         "args": {"Input Dims": [[[250]]], "Input type": ["TensorList"]}},
+    ]
+    t = analyse(events, 0, [], [], world_size=2)
+    assert t["hidden_fraction"] == pytest.approx(0.5) and t["exposed_comm_s"] == pytest.approx(1e-3)
+    assert t["bytes"]["all_reduce"] == {"calls": 1, "bytes": 1000, "sent_bytes": 1000.0}
+
+
+def test_references_and_theory():
+    names = ["ddp", "zero2", "native_ddp"]
+    refs = {"ddp": "native_ddp", "zero2": "ds_zero2"}
+    assert reference_for("ddp", names, refs) == "native_ddp"
+    assert reference_for("zero2", names, refs) == "native_ddp"  # ds_zero2 absent: native_ddp stands in
+    assert reference_for("native_ddp", names, refs) is None
+    assert theoretical_bytes("zero3", psi=1000, n=4) == {"reduce_scatter": 3000.0, "all_gather": 6000.0}
+    assert theoretical_bytes("ddp", psi=1000, n=1) == {}
+    import torch
+
+    assert max_state_difference({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 0.5, -1.0])}) == 1.0
