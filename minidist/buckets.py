@@ -143,16 +143,18 @@ def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: 
 
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
-                 first_cap_bytes: int) -> list[list[int]]:
+                 first_cap_bytes: int, last_cap_bytes: int | None = None) -> list[list[int]]:
     """Group parameter indices, taken in `order`, into buckets of one dtype/device.
 
     Every bucket holds at most cap_bytes (a larger tensor gets a bucket of its own).
     Two ends are kept small, at most first_cap_bytes:
     - the first bucket, so the first all_reduce starts early in backward;
     - the last bucket, because nothing is left to overlap it with: it holds the
-      gradients that arrive last, and backward waits for all of it to be reduced.
+      gradients that arrive last, and backward waits for all of it to be reduced
+      (at most last_cap_bytes when given: cap_bytes there is native DDP's layout).
     """
     small = min(first_cap_bytes, cap_bytes)
+    small_last = small if last_cap_bytes is None else min(last_cap_bytes, cap_bytes)
     by_kind: dict[tuple, list[int]] = {}
     for i in order:
         by_kind.setdefault((params[i].dtype, params[i].device), []).append(i)
@@ -162,7 +164,7 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
         tail: list[int] = []
         if n == len(kinds) - 1 and len(indices) > 1:
             # Fill the last bucket backwards from the last-ready gradient, up to the small cap.
-            rest = split_by_size([params[i] for i in reversed(indices)], small)[0]
+            rest = split_by_size([params[i] for i in reversed(indices)], small_last)[0]
             if len(rest) < len(indices):
                 tail = indices[len(indices) - len(rest):]
                 indices = indices[:len(indices) - len(rest)]

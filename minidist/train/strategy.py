@@ -149,7 +149,16 @@ class OursDDP(Strategy):
     def _wrap(self, net, optim_cls, optim_kwargs):
         from minidist import DataParallel
 
-        model = DataParallel(net, bucket_cap_mb=float(self.cfg.bucket_cap_mb),
+        # Native DDP, given a bucket_cap_mb, makes its first bucket that size too (its 1 MiB first
+        # bucket is only for the default cap): so do we unless told otherwise, and both sides
+        # bucket alike. first_bucket_mb=1 gives our small first and last buckets (overlap
+        # from the first gradients on; pays where communication has cores of its own).
+        cap = float(self.cfg.bucket_cap_mb)
+        first = self.cfg.get("first_bucket_mb")
+        first = cap if first is None else float(first)
+        last = self.cfg.get("last_bucket_mb")
+        model = DataParallel(net, bucket_cap_mb=cap, first_bucket_mb=first,
+                             last_bucket_mb=first if last is None else float(last),
                              gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
                              find_unused_parameters=bool(self.cfg.find_unused_parameters),
                              broadcast_buffers=bool(self.cfg.broadcast_buffers),
@@ -223,7 +232,7 @@ class NativeDDP(Strategy):
     name = "native_ddp"
     traces_comm = False
 
-    def _ddp(self, net):
+    def _native_ddp(self, net):
         import inspect
 
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -239,6 +248,24 @@ class NativeDDP(Strategy):
 
     def _wrap(self, net, optim_cls, optim_kwargs):
         return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
+
+    def _ddp(self, net):
+        model = self._native_ddp(net)
+        if not bool(self.cfg.get("overlap", True)):
+            raise ConfigError(f"strategy.overlap=false: {self.name} (torch's DDP) always overlaps; only strategy=ddp "
+                              "can reduce after backward")
+        hook = str(self.cfg.get("comm_hook", "allreduce"))
+        if hook != "allreduce":  # the same compression as ours, through torch's own hooks
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+            if hook == "powersgd":
+                model.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4),
+                                         powerSGD_hook.powerSGD_hook)
+            elif hook in ("fp16", "bf16"):
+                model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+            else:
+                raise ConfigError(f"strategy.comm_hook={hook!r}: choose allreduce, fp16, bf16 or powersgd")
+        return model
 
 
 class NativeZero1(NativeDDP):
@@ -323,7 +350,8 @@ def strategy_options(name: str, **overrides):
 
     options = {"name": name, "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False,
                "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 100_000,
-               "collectives": "auto", "overlap": True, "comm_hook": "allreduce"}
+               "collectives": "auto", "overlap": True, "comm_hook": "allreduce", "first_bucket_mb": None,
+               "last_bucket_mb": None}
     options.update(overrides)
     return OmegaConf.create(options)
 

@@ -136,6 +136,25 @@ class Trainer:
                 "comm_s": comm_s, "compute_s": total - data_s - (comm_s or 0.0),
                 "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None}
 
+    def traced_step(self, batches) -> dict:
+        """train_step under torch.profiler: rank 0 writes <run dir>/timeline_step_N.json (Chrome
+        trace, every rank) and .png (what recipes/compare.py compare.timeline=true draws)."""
+        from minidist.compare.plots import timeline_plot
+        from minidist.compare.timeline import record_step, write_chrome_trace
+
+        result: dict = {}
+        trace = record_step(lambda: result.update(self.train_step(batches)), self.ctx.world_size)
+        traces = dict(enumerate(comm.all_gather_object(trace)))
+        if self.ctx.rank == 0:
+            stem = self.run_dir / f"timeline_step_{self.step + 1}"
+            title = f"{self.strategy.name} step {self.step + 1}"
+            write_chrome_trace(traces, stem.with_suffix(".json"), title)
+            timeline_plot(traces, title, stem.with_suffix(".png"))
+            hidden = [t["hidden_fraction"] for t in traces.values() if t["hidden_fraction"] is not None]
+            share = f"; {100 * sum(hidden) / len(hidden):.0f}% of communication hidden behind compute" if hidden else ""
+            self.log.info(f"step {self.step + 1}: timeline {stem}.json / .png{share}")
+        return result
+
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
@@ -194,7 +213,10 @@ class Trainer:
         last_eval: dict = {}
         history: list[dict] = []
         while self.step < end:
-            m = self.train_step(batches)
+            if t.get("timeline_step") is not None and self.step + 1 == int(t.timeline_step):
+                m = self.traced_step(batches)
+            else:
+                m = self.train_step(batches)
             self.step += 1
             history.append(m)
             if self.step % t.log_every == 0 or self.step == end:
