@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # make train: one rank per GPU where there are GPUs, else 2 on CPU (launcher.nproc=auto); NPROC=N overrides.
 NPROC ?=
 
-.PHONY: setup train test tour bench-collectives clean
+.PHONY: setup train test test-all tour bench-collectives clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ train: setup
 	OMP_NUM_THREADS=1 $(PY) recipes/train.py $(if $(NPROC),launcher.nproc=$(NPROC)) $(ARGS)
 
 test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+# Everything, the slow soak included.
+test-all: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 tour: setup

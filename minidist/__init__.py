@@ -5,8 +5,8 @@
     model = minidist.DataParallel(net)
 """
 
-from minidist.dist import DistContext, get_logger, init_distributed, is_main, print0, shutdown
-from minidist.parallel import DataParallel, ShardedDataParallel
+from minidist.dist import DistContext, RendezvousError, get_logger, init_distributed, is_main, print0, shutdown
+from minidist.parallel import DataParallel, Join, ShardedDataParallel
 
-__all__ = ["DataParallel", "ShardedDataParallel", "DistContext", "init_distributed", "shutdown", "is_main", "print0", "get_logger"]
+__all__ = ["DataParallel", "ShardedDataParallel", "Join", "DistContext", "RendezvousError", "init_distributed", "shutdown", "is_main", "print0", "get_logger"]
 __version__ = "0.1.0"

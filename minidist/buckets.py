@@ -120,20 +120,28 @@ class BufferPool:
         return list(self._in_use.values()) + self._free
 
 
-def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None):
-    """Consecutive runs of `tensors` of at most cap_bytes each (the first at most first_cap_bytes).
+def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: int | None = None,
+                  closing: str = "at_most"):
+    """Consecutive runs of `tensors`, each up to cap_bytes (the first up to first_cap_bytes).
 
-    A tensor larger than the cap gets a run of its own.
+    closing="at_most": a run never holds more than its cap (a tensor larger than the cap gets
+    a run of its own). closing="reach": native DDP's rule, a run closes as soon as it reaches
+    its cap, so it may exceed it by its last tensor (fewer, fuller runs).
     """
+    if closing not in ("at_most", "reach"):
+        raise ValueError(f"closing={closing!r}: choose 'at_most' or 'reach'")
     runs, current, size = [], [], 0
     cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > cap:
+        if closing == "at_most" and current and size + nbytes > cap:
             runs.append(current)
             current, size, cap = [], 0, cap_bytes
         current.append(t)
         size += nbytes
+        if closing == "reach" and size >= cap:
+            runs.append(current)
+            current, size, cap = [], 0, cap_bytes
     if current:
         runs.append(current)
     return runs
@@ -143,7 +151,8 @@ def split_by_size(tensors: list[torch.Tensor], cap_bytes: int, first_cap_bytes: 
 
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
-                 first_cap_bytes: int, last_cap_bytes: int | None = None) -> list[list[int]]:
+                 first_cap_bytes: int, last_cap_bytes: int | None = None,
+                 closing: str = "at_most") -> list[list[int]]:
     """Group parameter indices, taken in `order`, into buckets of one dtype/device.
 
     Every bucket holds at most cap_bytes (a larger tensor gets a bucket of its own).
@@ -151,7 +160,9 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
     - the first bucket, so the first all_reduce starts early in backward;
     - the last bucket, because nothing is left to overlap it with: it holds the
       gradients that arrive last, and backward waits for all of it to be reduced
-      (at most last_cap_bytes when given: cap_bytes there is native DDP's layout).
+      (at most last_cap_bytes when given).
+    closing="reach" is native DDP's layout instead: buckets close when they reach their cap
+    (see split_by_size), and there is no separate small last bucket.
     """
     small = min(first_cap_bytes, cap_bytes)
     small_last = small if last_cap_bytes is None else min(last_cap_bytes, cap_bytes)
@@ -162,7 +173,7 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
     buckets: list[list[int]] = []
     for n, indices in enumerate(kinds):
         tail: list[int] = []
-        if n == len(kinds) - 1 and len(indices) > 1:
+        if n == len(kinds) - 1 and len(indices) > 1 and closing == "at_most":
             # Fill the last bucket backwards from the last-ready gradient, up to the small cap.
             rest = split_by_size([params[i] for i in reversed(indices)], small_last)[0]
             if len(rest) < len(indices):
@@ -170,7 +181,7 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
                 indices = indices[:len(indices) - len(rest)]
         sized = [params[i] for i in indices]
         position = {id(p): i for p, i in zip(sized, indices)}
-        runs = split_by_size(sized, cap_bytes, small if not buckets else cap_bytes)
+        runs = split_by_size(sized, cap_bytes, small if not buckets else cap_bytes, closing)
         buckets.extend([position[id(p)] for p in run] for run in runs)
         if tail:
             buckets.append(tail)

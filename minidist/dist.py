@@ -126,6 +126,27 @@ def choose_backend(backend: str, local_world_size: int) -> str:
     return "gloo"
 
 
+class RendezvousError(RuntimeError):
+    """The process group could not be formed: the message says why and what to change."""
+
+
+def rendezvous_failure(error: BaseException, rank: int, world_size: int, timeout_s: float) -> str:
+    """One message for a failed init_process_group: where, what went wrong, and the fix."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    text = str(error)
+    low = text.lower()
+    where = f"rank {rank} of {world_size}: the rendezvous at MASTER_ADDR={addr} MASTER_PORT={port}"
+    if "address already in use" in low or "eaddrinuse" in low or "errno 98" in low or "failed to listen" in low:
+        return (f"{where} failed: port {port} is already in use on this machine (another job, or a previous "
+                "run still exiting): choose a free port (MASTER_PORT=..., torchrun --master-port / "
+                "--rdzv-endpoint HOST:PORT)")
+    if "timed out" in low or "timeout" in low or "refused" in low or "no route" in low or "unreachable" in low:
+        return (f"{where} was not reached within {timeout_s:g} s ({text.splitlines()[0][:200]}): check that "
+                "MASTER_ADDR is the address of rank 0's machine and reachable from here, that rank 0 was started, "
+                f"and that all {world_size} ranks were launched with the same MASTER_ADDR / MASTER_PORT")
+    return f"{where} failed: {text.splitlines()[0][:300] if text else type(error).__name__}"
+
+
 _CONTEXT: DistContext | None = None
 
 
@@ -153,8 +174,11 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
         else:
             os.environ.setdefault("MASTER_ADDR", info.master_addr)
             os.environ.setdefault("MASTER_PORT", str(info.master_port))
-            dist.init_process_group(backend, init_method="env://", rank=info.rank,
-                                    world_size=info.world_size, timeout=timeout)
+            try:
+                dist.init_process_group(backend, init_method="env://", rank=info.rank,
+                                        world_size=info.world_size, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - re-raised with the cause and the fix named
+                raise RendezvousError(rendezvous_failure(e, info.rank, info.world_size, timeout_s)) from e
     _CONTEXT = DistContext(
         rank=info.rank, world_size=info.world_size, local_rank=info.local_rank,
         local_world_size=info.local_world_size, node_rank=info.node_rank,

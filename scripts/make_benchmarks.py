@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
 from minidist.compare.report import bytes_table, markdown_table, memory_table, table_rows, targets_lines  # noqa: E402
 
 OUT = ROOT / "outputs" / "benchmarks"
@@ -69,7 +70,8 @@ def run(name: str, overrides: list[str]) -> None:
     print(f"[{name}] {command(overrides)}", flush=True)
     done = subprocess.run([sys.executable, str(ROOT / "recipes" / "compare.py"), *overrides,
                            f"hydra.run.dir={target}"], cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode not in (0, 1):  # 1: a check failed, and the report says so
+    # Exit 1 with a report: a check failed, and the report says so. Without one: the run failed.
+    if done.returncode not in (0, 1) or not (target / "results.json").is_file():
         raise SystemExit(f"[{name}] failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"[{name}] {time.time() - start:.0f} s", flush=True)
 
@@ -150,9 +152,6 @@ def main_section(r: dict) -> list[str]:
 
 
 def scaling_section(results: dict[int, dict]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = results[WORLDS[0]]["strategies"]
@@ -175,9 +174,7 @@ def scaling_section(results: dict[int, dict]) -> list[str]:
         ax.set(xlabel="ranks (processes on 2 cores)", ylabel=label)
         ax.set_xticks(list(WORLDS))
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(IMG / "scaling.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, IMG / "scaling.png")
     return [
         "## Scaling: 1 to 4 ranks",
         "",
@@ -198,9 +195,6 @@ def scaling_section(results: dict[int, dict]) -> list[str]:
 
 
 def bucket_section(results: dict[float, dict]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     first = next(iter(results.values()))
@@ -217,9 +211,7 @@ def bucket_section(results: dict[float, dict]) -> list[str]:
     for ax, label in zip(axes, ("step time (ms)", "exposed communication (ms, profiled step)")):
         ax.set(xscale="log", xlabel="bucket_cap_mb", ylabel=label)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(IMG / "buckets.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, IMG / "buckets.png")
     return [
         "## Bucket size (communication-bound model)",
         "",

@@ -86,3 +86,16 @@ def test_buffer_pool_reuses_buffers_for_any_smaller_request():
     assert len(pool.tensors()) == 2 and all(t.numel() == 100 for t in pool.tensors())
     d = pool.get(10, torch.float16, torch.device("cpu"))  # another dtype: a new buffer
     assert d.dtype == torch.float16 and len(pool.tensors()) == 3
+
+
+def test_reach_closing_is_native_ddps_layout():
+    """closing="reach": a bucket closes once it reaches its cap (so it may exceed it by its last
+    tensor), and no separate small last bucket: what torch's reducer does with the same caps."""
+    params = [torch.zeros(1024), torch.zeros(256), torch.zeros(1024), torch.zeros(4), torch.zeros(1024)]  # 4 KB each
+    order = [4, 3, 2, 1, 0]
+    at_most = plan_buckets(params, order, cap_bytes=4 * KB, first_cap_bytes=4 * KB)
+    reach = plan_buckets(params, order, cap_bytes=4 * KB, first_cap_bytes=4 * KB, closing="reach")
+    assert reach == [[4], [3, 2], [1, 0]]
+    assert len(at_most) > len(reach)
+    native = torch.distributed._compute_bucket_assignment_by_size([params[i] for i in order], [4 * KB])
+    assert [[order[j] for j in bucket] for bucket in native[0]] == reach

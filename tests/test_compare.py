@@ -8,6 +8,7 @@ errors, and that DeepSpeed runs without a compiler and builds nothing into HOME.
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,10 +111,7 @@ def test_compare_exits_1_when_ours_differs(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("compare.strategies=[ddp,nope]", "compare.strategies: ['nope'] unknown"),
-    ("compare.strategies=[ddp,ddp]", "names a strategy twice"),
-    ("compare.steps=0", "compare.steps=0 must be an integer >= 1"),
-    ("trainer.precision=fp16", "trainer.precision=fp16: the comparison runs fp32 or bf16"),
-    ("trainer.micro_batch_size=100000", "fewer than one micro-batch"),
+    ("trainer.micro_batch_size=100000", "fewer than one micro-batch"),  # the trainer's own checks, per strategy
 ])
 def test_config_errors_exit_2_with_one_line(tmp_path, override, message):
     out, run_dir = compare(tmp_path, override)
@@ -121,6 +119,25 @@ def test_config_errors_exit_2_with_one_line(tmp_path, override, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], out.stderr[-2000:]
     assert not (run_dir / "report.md").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("compare.strategies=[ddp,ddp]", "names a strategy twice"),
+    ("compare.strategies=[]", "compare.strategies is empty"),
+    ("compare.steps=0", "compare.steps=0 must be an integer >= 1"),
+    ("compare.tolerance=-1", "compare.tolerance=-1 must be >= 0"),
+    ("trainer.precision=fp16", "trainer.precision=fp16: the comparison runs fp32 or bf16"),
+])
+def test_strategy_list_checks(override, message):
+    from hydra import compose, initialize_config_dir
+
+    from minidist.compare.launch_compare import check_strategies
+    from minidist.train.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="compare", overrides=[override])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_strategies(cfg)
 
 
 def test_deepspeed_missing_names_the_install(tmp_path, monkeypatch):

@@ -147,3 +147,18 @@ def test_missing_image_files_say_where_they_go(tmp_path):
 def test_too_few_samples_for_the_ranks():
     with pytest.raises(ConfigError, match="micro_batch_size"):
         ShardedBatchSampler(7, 0, 4, 2, seed=0)
+
+
+@pytest.mark.parametrize("n, world, micro", [(103, 3, 4), (10, 4, 1), (4097, 2, 16)])
+def test_every_rank_gets_the_same_number_of_steps(n, world, micro):
+    """The trainer never gives ranks different step counts (so no rank runs out of data first):
+    each epoch is trimmed to a multiple of world x micro-batch, the same on every rank."""
+    from itertools import islice
+
+    samplers = [ShardedBatchSampler(n, r, world, micro, seed=0) for r in range(world)]
+    assert len({s.batches_per_epoch for s in samplers}) == 1
+    per_epoch = samplers[0].batches_per_epoch
+    assert per_epoch == n // (world * micro)
+    for s in samplers:  # across an epoch boundary too
+        batches = list(islice(iter(s), 2 * per_epoch + 1))
+        assert all(len(b) == micro for b in batches)

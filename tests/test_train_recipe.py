@@ -7,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from minidist.train.checkpoint import consolidate, latest_checkpoint, list_checkpoints
@@ -118,6 +119,24 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(pattern, lines[0]), out.stderr
     assert files_under(run_dir) == before  # nothing written over the existing run
+
+    # A checkpoint whose tensors do not fit (written by other code): the first mismatching key, named.
+    import shutil
+
+    from minidist.train.config_check import validate
+    from minidist.train.errors import ConfigError
+    from train_cases import compose_cfg
+
+    bad_ckpt = tmp_path / "tampered"
+    shutil.copytree(latest_checkpoint(run_dir), bad_ckpt)
+    state = torch.load(bad_ckpt / "model.pt")
+    key = list(state)[3]
+    state[key] = torch.zeros(7, 7)
+    torch.save(state, bad_ckpt / "model.pt")
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", f"trainer.resume={bad_ckpt}"))
+    with pytest.raises(ConfigError, match=rf"first mismatching key '{re.escape(key)}' has shape \[7, 7\] in the "
+                                          r"checkpoint, \[\d+(, \d+)*\] in the model"):
+        validate(cfg, 2, tmp_path / "new_run")
     unknown = train("strategy=zero9")  # Hydra's own message names the group and its options
     assert unknown.returncode != 0 and "strategy" in unknown.stderr and "zero3" in unknown.stderr
 

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minidist.comm import check as _checks
 from minidist.comm import ring
+from minidist.comm.check import CollectiveMismatch, check_collectives  # noqa: F401  (public API)
 
 ReduceOp = dist.ReduceOp
 
@@ -134,6 +136,8 @@ class CommTracer:
 
 def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bool,
             is_root: bool = False, algorithm: str = "backend") -> CommRecord | None:
+    if _checks.enabled():  # debug.check_collectives: the ranks compare fingerprints first
+        _checks.verify(op, nbytes, dtype, group)
     if not CommTracer._active:
         return None
     n = dist.get_world_size(group)

@@ -23,7 +23,8 @@ PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#C44E
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "comm_buffers")
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write as PNG, close."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -38,7 +39,7 @@ def loss_plot(results: dict, path: Path) -> Path:
                 linestyle=("-", "--", ":", "-.")[k % 4])
     ax.set(xlabel="step", ylabel="training loss", title="Loss per step (same weights, same batches)")
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def step_time_plot(results: dict, rows: dict, path: Path) -> Path:
@@ -53,7 +54,7 @@ def step_time_plot(results: dict, rows: dict, path: Path) -> Path:
         ax.scatter([k] * len(times), times, s=6, color="#1f3b5c", alpha=0.5, zorder=3)
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set(ylabel="step time (ms)", title="Step time: median, min-max, every step")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def memory_plot(rows: dict, path: Path) -> Path:
@@ -70,7 +71,7 @@ def memory_plot(rows: dict, path: Path) -> Path:
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set(ylabel="MiB per rank", title="Model state per rank (busiest rank) and peak")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bytes_plot(rows: dict, path: Path) -> Path:
@@ -87,7 +88,7 @@ def bytes_plot(rows: dict, path: Path) -> Path:
         ax.set_xticks(list(xs), names, rotation=30, fontsize=8)
         ax.set(title=op, ylabel="MiB sent per rank per step")
     axes[0][0].legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def timeline_plot(traces: dict, title: str, path: Path) -> Path:
@@ -113,7 +114,7 @@ def timeline_plot(traces: dict, title: str, path: Path) -> Path:
     handles += [matplotlib.patches.Patch(color="#555555", label="compute (aten ops)"),
                 matplotlib.patches.Patch(color="#DD8452", label="collective running")]
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, frameon=False)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def all_plots(results: dict, rows: dict, run_dir: Path, timelines: bool) -> list[Path]:

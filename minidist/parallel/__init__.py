@@ -2,7 +2,8 @@
 
 from minidist.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from minidist.parallel.ddp import DataParallel
+from minidist.parallel.join import Join
 from minidist.parallel.powersgd import PowerSGD
 from minidist.parallel.zero import ShardedDataParallel
 
-__all__ = ["DataParallel", "ShardedDataParallel", "PowerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+__all__ = ["DataParallel", "ShardedDataParallel", "Join", "PowerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]

@@ -26,8 +26,23 @@ class BufferSync:
         self._src, self._group = src, group
         self._due = True  # the first forward synchronises
 
-    def before_forward(self, sync_enabled: bool) -> None:
-        """Broadcast if the previous forward was a synchronising one; note whether this one is."""
-        if self._flat is not None and self._due:
-            self._flat.broadcast(src=self._src, group=self._group)
+    @property
+    def due(self) -> bool:
+        """Will the next forward broadcast?"""
+        return self._flat is not None and self._due
+
+    def before_forward(self, sync_enabled: bool, src: int | None = None) -> None:
+        """Broadcast if the previous forward was a synchronising one; note whether this one is.
+        `src` overrides the source rank for this broadcast (Join: the highest rank still active)."""
+        if self.due:
+            self.broadcast(src)
         self._due = torch.is_grad_enabled() and sync_enabled
+
+    def broadcast(self, src: int | None = None) -> None:
+        """Broadcast the buffers now (a rank that joined shadows the others' broadcast with it)."""
+        if self._flat is not None:
+            self._flat.broadcast(src=self._src if src is None else src, group=self._group)
+
+    def force_next(self) -> None:
+        """The next forward broadcasts, on every rank that calls this (after Join's final sync)."""
+        self._due = True

@@ -87,8 +87,11 @@ class DataParallel(BucketedBackward, nn.Module):
             the first all_reduce starts early in backward and little is left to reduce
             (exposed) after backward ends.
         last_bucket_mb: the last bucket's own maximum, when it should differ (None: as
-            the first). bucket_cap_mb gives native DDP's layout: one small bucket first,
-            no small one last, so one collective fewer per step.
+            the first).
+        bucket_closing: "at_most" (a bucket never holds more than its cap) or "reach"
+            (native DDP's layout: a bucket closes once it reaches its cap, so it may exceed
+            it by one tensor, and there is no separate small last bucket: fewer, fuller
+            buckets, the same ones native DDP makes).
         overlap: reduce each bucket as soon as it is full (True), or all buckets after
             backward (False, for measuring what overlap buys).
         gradient_as_bucket_view: make `.grad` a view into the buckets (saves one copy
@@ -109,7 +112,7 @@ class DataParallel(BucketedBackward, nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 last_bucket_mb: float | None = None,
+                 last_bucket_mb: float | None = None, bucket_closing: str = "at_most",
                  overlap: bool = True, gradient_as_bucket_view: bool = False,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  comm_hook: Callable | str | None = None, process_group=None):
@@ -136,6 +139,7 @@ class DataParallel(BucketedBackward, nn.Module):
         self._cap_bytes = int(bucket_cap_mb * MiB)
         self._first_cap_bytes = int(first_bucket_mb * MiB)
         self._last_cap_bytes = None if last_bucket_mb is None else int(last_bucket_mb * MiB)
+        self._closing = bucket_closing
 
         replicate_from_source(module, self.source_rank, process_group)
         # named_parameters() yields a shared (tied) parameter once: it is reduced once.
@@ -154,7 +158,8 @@ class DataParallel(BucketedBackward, nn.Module):
     # ----------------------------------------------------------------------- buckets
 
     def _build_buckets(self, order: list[int]) -> None:
-        plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes)
+        plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
+                            self._closing)
         self._buckets = [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
                          for k, ids in enumerate(plan)]
         self._where = {}  # parameter index -> (bucket, position in bucket)
@@ -182,31 +187,45 @@ class DataParallel(BucketedBackward, nn.Module):
             order = order.to(self._buckets[0].buffer.device) if self._buckets else order
             comm.broadcast(order, src=self.source_rank, group=self.process_group)
         order = order.tolist()
-        if plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes) != \
-                [b.param_ids for b in self._buckets]:
+        plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
+                            self._closing)
+        if plan != [b.param_ids for b in self._buckets]:
             self._build_buckets(order)
 
     # ----------------------------------------------------------------------- backward
 
-    # Per bucket, not per parameter: two tensor ops for the whole bucket (native DDP does
-    # this work in C++; one Python-dispatched op per parameter cost ~1% of a step).
+    # Fill a bucket once all its gradients are in. Copy and scale by 1/n (as native DDP, which
+    # keeps results bitwise comparable with it) either per parameter in one pass (torch.mul with
+    # out=: one Python-dispatched op each, a few microseconds), or for the whole bucket in two
+    # vectorised ops (_foreach_copy_, then mul_ of the buffer: a second pass over the bytes).
+    # A second pass over B bytes costs about B / 10 GB/s, a dispatch ~5 us: so per parameter
+    # when they average over 64 KiB (few large tensors), vectorised when they are many and small.
     _fill_when_complete = True
+    _PER_PARAMETER_FROM_BYTES = 64 * 1024
 
     def _fill_bucket(self, bucket: Bucket) -> None:
+        scale = 1.0 / self.world_size
+        one_pass = bucket.buffer.numel() * bucket.buffer.element_size() >= \
+            self._PER_PARAMETER_FROM_BYTES * len(bucket.param_ids)
         targets, sources = [], []
         for k, i in enumerate(bucket.param_ids):
             view, grad = bucket.views[k], self._params[i].grad
             if grad is None:
                 view.zero_()
-            elif not (self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr()):
+            elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
+                if one_pass:
+                    view.mul_(scale)  # backward accumulated straight into the bucket
+            elif one_pass:
+                torch.mul(grad, scale, out=view)
+            else:
                 targets.append(view)
                 sources.append(grad)
-                if self.gradient_as_bucket_view:  # e.g. after zero_grad(set_to_none=True)
-                    self._params[i].grad = view
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        # Multiplying by 1/n, as native DDP does, keeps results bitwise comparable with it.
-        bucket.buffer.mul_(1.0 / self.world_size)
+            if grad is not None and self.gradient_as_bucket_view and grad.data_ptr() != view.data_ptr():
+                self._params[i].grad = view  # e.g. after zero_grad(set_to_none=True)
+        if not one_pass:
+            if targets:
+                torch._foreach_copy_(targets, sources)
+            bucket.buffer.mul_(scale)
 
     def _launch(self, bucket: Bucket):
         return self.comm_hook(bucket)
@@ -230,9 +249,50 @@ class DataParallel(BucketedBackward, nn.Module):
 
     # ----------------------------------------------------------------------- API
 
+    _join = None  # the minidist.Join this model runs under, if any
+
     def forward(self, *args, **kwargs):
-        self._buffer_sync.before_forward(self._sync_enabled)
+        src = None
+        if self._join is not None:  # uneven inputs: tell the ranks that left what this forward does
+            notice = self._join.exchange(self, active=True, buffers_due=self._buffer_sync.due,
+                                         will_sync=torch.is_grad_enabled() and self._sync_enabled)
+            src = self._global(notice.authoritative)
+        self._buffer_sync.before_forward(self._sync_enabled, src=src)
         return self.module(*args, **kwargs)
+
+    # ----------------------------------------------------------------------- Join (uneven inputs)
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.process_group, group_rank) if self.process_group is not None else group_rank
+
+    def _join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    def _shadow_one_iteration(self, join) -> bool:
+        """On a rank that has left its loop: mirror one iteration of the ranks still training.
+        False once none is."""
+        notice = join.exchange(self, active=False, will_sync=False, buffers_due=False)
+        if not notice.active:
+            return False
+        if notice.buffers_due:
+            self._buffer_sync.broadcast(self._global(notice.authoritative))
+        if notice.will_sync:
+            with torch.no_grad():  # their backward's collectives, with zero gradients
+                for bucket in self._buckets:
+                    bucket.buffer.zero_()
+                handles = [self._launch(bucket) for bucket in self._buckets]
+                if self.find_unused_parameters and self.world_size > 1:
+                    comm.all_reduce(torch.zeros(len(self._params), dtype=torch.int32, device=self._join_device()),
+                                    group=self.process_group)
+                for handle in handles:
+                    handle.wait()
+        return True
+
+    def _take_final_state(self, join) -> None:
+        from minidist.parallel.join import final_sync
+
+        final_sync(self, join)
+        self._buffer_sync.force_next()  # every rank alike from here on
 
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict (already complete on every rank: nothing is sharded)."""

@@ -119,6 +119,32 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     return final
 
 
+def saved_shapes(ckpt: Path, meta: dict, rank: int = 0) -> dict[str, tuple]:
+    """Parameter (and, for full checkpoints, buffer) shapes a checkpoint holds, by state_dict key."""
+    ckpt = Path(ckpt)
+    if meta["sharded"]:
+        shard = torch.load(shard_path(ckpt, rank), map_location="cpu", weights_only=False)
+        layout = torch.load(ckpt / "layout.pt", weights_only=False)
+        by_param = {name: tuple(shape) for name, shape in shard["shapes"].items()}
+        return {key: by_param[name] for key, name in layout["params"].items() if name in by_param}
+    return {k: tuple(v.shape) for k, v in torch.load(ckpt / "model.pt", map_location="cpu", mmap=True).items()}
+
+
+def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
+    """Raise ValueError naming the first key whose presence or shape differs between the
+    checkpoint and the model about to load it (before any strategy touches the files)."""
+    saved = saved_shapes(ckpt, meta)
+    for key, shape in model_shapes.items():
+        if key in saved and saved[key] != shape:
+            raise ValueError(f"{ckpt} does not fit this model: first mismatching key {key!r} has shape "
+                             f"{list(saved[key])} in the checkpoint, {list(shape)} in the model")
+        if key not in saved and not meta["sharded"]:  # sharded files list parameters only
+            raise ValueError(f"{ckpt} does not fit this model: it has no {key!r} (the first model key it lacks)")
+    for key in saved:
+        if key not in model_shapes:
+            raise ValueError(f"{ckpt} does not fit this model: it holds {key!r}, which the model does not have")
+
+
 def load_checkpoint(ckpt: Path, strategy) -> dict:
     """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
     meta = read_meta(ckpt)

@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from minidist.train import data as data_mod
-from minidist.train.checkpoint import latest_checkpoint, read_meta
+from minidist.train.checkpoint import check_fits, latest_checkpoint, read_meta
 from minidist.train.errors import ConfigError
+from minidist.train.faults import planned_kills
+from minidist.train.models import build_model
 from minidist.train.strategy import STRATEGIES
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -70,6 +72,12 @@ def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by strategy={meta['strategy']}, this run uses "
                           f"strategy={cfg.strategy.name}: resume with the same strategy (or consolidate it with "
                           "python -m minidist.checkpoint consolidate and start anew)")
+    with torch.device("meta"):  # the model's shapes, no memory
+        shapes = {k: tuple(v.shape) for k, v in build_model(cfg.model, data_mod.data_info(cfg.data)).state_dict().items()}
+    try:
+        check_fits(ckpt, meta, shapes)
+    except ValueError as e:
+        raise ConfigError(f"trainer.resume: {e}: resume with the model that wrote it, or start a new run") from e
     if meta["world_size"] != world_size:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by {meta['world_size']} ranks, this run has "
                           f"{world_size}: resume with launcher.nproc={meta['world_size']} (or the same torchrun size)")
@@ -96,6 +104,15 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if t.stop_at is not None and not (isinstance(t.stop_at, int) and 1 <= t.stop_at <= t.max_steps):
         raise ConfigError(f"trainer.stop_at={t.stop_at!r} must be a step between 1 and trainer.max_steps={t.max_steps}")
     grad_accum_steps(cfg, world_size)  # raises if the global batch does not divide
+    try:
+        kills = planned_kills(cfg.get("debug"))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from e
+    bad = [r for r, _ in kills if not 0 <= r < world_size]
+    if bad:
+        raise ConfigError(f"debug.kill_rank={bad[0]} is not a rank of this {world_size}-rank run: give 0..{world_size - 1}")
+    if str(t.get("nonfinite", "skip")) not in ("skip", "stop"):
+        raise ConfigError(f"trainer.nonfinite={t.nonfinite!r} must be skip (skip the update, go on) or stop")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
     on_gpu = cfg.launcher.backend != "gloo" and torch.cuda.is_available()

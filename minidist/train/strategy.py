@@ -82,11 +82,16 @@ class Strategy:
 
     def optimizer_step(self, max_norm: float, scaler) -> torch.Tensor:
         """End of an optimizer step: unscale (fp16), clip to `max_norm` by the global norm, step,
-        zero the gradients. Returns the norm before clipping."""
+        zero the gradients. Returns the norm before clipping.
+
+        A non-finite norm (a nan or inf gradient anywhere, on any rank: the norm is global, so
+        every rank sees the same) skips the update: the parameters and optimizer state stay as
+        they were. (With fp16 the gradient scaler does this itself, and lowers its scale.)"""
         scaler.unscale_(self.optimizer)
         norm = self.clip_grad_norm_(max_norm)
-        scaler.step(self.optimizer)
-        scaler.update()
+        if scaler.is_enabled() or bool(torch.isfinite(norm)):
+            scaler.step(self.optimizer)
+            scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -159,6 +164,7 @@ class OursDDP(Strategy):
         last = self.cfg.get("last_bucket_mb")
         model = DataParallel(net, bucket_cap_mb=cap, first_bucket_mb=first,
                              last_bucket_mb=first if last is None else float(last),
+                             bucket_closing=str(self.cfg.get("bucket_closing", "reach")),
                              gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
                              find_unused_parameters=bool(self.cfg.find_unused_parameters),
                              broadcast_buffers=bool(self.cfg.broadcast_buffers),
@@ -351,7 +357,7 @@ def strategy_options(name: str, **overrides):
     options = {"name": name, "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False,
                "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 100_000,
                "collectives": "auto", "overlap": True, "comm_hook": "allreduce", "first_bucket_mb": None,
-               "last_bucket_mb": None}
+               "last_bucket_mb": None, "bucket_closing": "reach"}
     options.update(overrides)
     return OmegaConf.create(options)
 

@@ -26,9 +26,11 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.train.checkpoint import load_checkpoint, save_checkpoint
+from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.faults import maybe_kill, planned_kills
+from minidist.train.hangs import collective_failure, maybe_stall
 from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
 from minidist.train.observe import RunLog
 from minidist.train.step import optimizer_step_over, task_loss
@@ -55,6 +57,23 @@ def optimizer_spec(optim_cfg) -> tuple[type, dict]:
     else:
         kwargs.update(momentum=float(optim_cfg.momentum), nesterov=bool(optim_cfg.nesterov))
     return OPTIMIZERS[optim_cfg.name], kwargs
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (fully_shard), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """SHA-256 of a module's state_dict as this rank holds it (names, dtypes, shapes, bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16]
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -93,6 +112,13 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.step = 0
+        self.kills = planned_kills(cfg.get("debug"))
+        if (cfg.get("debug") or {}).get("check_collectives"):
+            comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
+        debug = cfg.get("debug") or {}
+        self.nan_at = (int(debug["nan_at_step"]), int(debug.get("nan_rank", 0))) \
+            if debug.get("nan_at_step") is not None else None
+        self.skipped_steps = 0
         # Each rank its own stream of randomness from here on (dropout, augmentation).
         torch.manual_seed(t.seed + 1000 * ctx.rank)
         if resume_from is not None:
@@ -116,7 +142,8 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns this rank's measurements."""
         start = time.perf_counter()
         data_s = 0.0
-        with comm.CommTracer() as tracer:
+        maybe_stall(self.cfg.get("debug"), self.ctx.rank, self.step + 1)  # debug.stall_*: fault injection
+        with comm.CommTracer() as tracer, self._collectives_named(tracer):
             micro_batches = []
             for _ in range(self.grad_accum):
                 t0 = time.perf_counter()
@@ -125,7 +152,10 @@ class Trainer:
                                       y.to(self.ctx.device, non_blocking=True)))
                 data_s += time.perf_counter() - t0
             clip = float(self.cfg.trainer.grad_clip)
-            loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, self._loss,
+            loss_fn = self._loss
+            if self.nan_at == (self.step + 1, self.ctx.rank):  # debug.nan_at_step: fault injection
+                loss_fn = lambda out, y: self._loss(out, y) * float("nan")  # noqa: E731
+            loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, loss_fn,
                                                       clip if clip > 0 else math.inf, self.scaler, self._autocast)
             self.scheduler.step()
         if self.ctx.device.type == "cuda":
@@ -187,6 +217,9 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
+        if not self._parameters_finite():
+            raise FloatingPointError(f"step {self.step}: the parameters hold nan or inf on some rank: refusing to "
+                                     "write a checkpoint of them (the previous ones are kept)")
         meta = {"strategy": self.strategy.name, "world_size": self.ctx.world_size, "sharded":
                 self.strategy.sharded_checkpoint, "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
@@ -218,6 +251,9 @@ class Trainer:
             else:
                 m = self.train_step(batches)
             self.step += 1
+            maybe_kill(self.kills, self.run_dir, self.ctx.rank, self.step)  # debug.kill_*: fault injection
+            if not math.isfinite(float(m["grad_norm"])):
+                self._non_finite(float(m["grad_norm"]))
             history.append(m)
             if self.step % t.log_every == 0 or self.step == end:
                 self.log.scalars(self.step, self._reduce_metrics(history))
@@ -231,11 +267,50 @@ class Trainer:
         self.log.stop_progress()
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
-        summary = {"step": self.step, **self.log.last, **last_eval}
+        summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps}
+        # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
+        # strategy (ddp, zero1/2 after the final gather), and across runs that should match.
+        summary["state_digest"] = state_digest(self.net)
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
         self.log.finish(summary)
         return summary
+
+    @contextlib.contextmanager
+    def _collectives_named(self, tracer):
+        """A communication failure inside becomes a CollectiveFailure naming this step and the
+        collective this rank was waiting for."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - re-raised, described or as it was
+            failure = collective_failure(e, tracer.records, self.step + 1, self.strategy.name,
+                                         float(self.cfg.launcher.timeout_s))
+            if failure is None:
+                raise
+            self.log.info(f"error: {failure}")
+            raise failure from e
+
+    def _non_finite(self, norm: float) -> None:
+        """The step's gradient norm was nan or inf: the strategy skipped the update (every rank
+        alike, the norm being global). Count it, and stop if trainer.nonfinite=stop."""
+        self.skipped_steps += 1
+        policy = str(self.cfg.trainer.get("nonfinite", "skip"))
+        message = (f"step {self.step}: non-finite gradient norm ({norm}): the update was skipped "
+                   f"({self.skipped_steps} skipped so far)")
+        if policy == "stop":
+            latest = latest_checkpoint(self.run_dir)
+            raise FloatingPointError(f"{message}; stopping (trainer.nonfinite=stop). Latest checkpoint: "
+                                     f"{latest or 'none'}")
+        self.log.info(f"warning: {message}; training goes on (trainer.nonfinite=skip)")
+
+    def _parameters_finite(self) -> bool:
+        """Every rank's parameters, and the optimizer's (ZeRO's shards), all finite? A collective."""
+        local = [_local_tensor(p) for p in self.net.parameters()]
+        local += [_local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
+        bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local if t.numel()) else 1.0],
+                           device=self.ctx.device)
+        comm.all_reduce(bad, op=comm.ReduceOp.MAX)
+        return bad.item() == 0.0
 
     def _reduce_metrics(self, history: list[dict]) -> dict:
         """Averages over the steps since the last log, over ranks (loss) or of the slowest rank (time)."""

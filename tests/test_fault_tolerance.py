@@ -1,0 +1,213 @@
+"""Elastic restart under torchrun: a rank killed mid-training, the group restarted, the run resumed
+from the latest complete checkpoint, and the result bitwise equal to an uninterrupted run."""
+
+import os
+import subprocess
+
+import pytest
+
+from minidist.train.checkpoint import latest_checkpoint
+from minidist.train.faults import marker, planned_kills
+from omegaconf import OmegaConf
+from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny_overrides
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(run_dir, *overrides, strategy: str, restarts: int = 0, nproc: int = 2):
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(RECIPE),
+           *tiny_overrides("trainer.ckpt_every=5", *overrides, f"hydra.run.dir={run_dir}", strategy=strategy)]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy):
+    straight = torchrun(tmp_path / "straight", strategy=strategy)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = torchrun(tmp_path / "killed", "debug.kill_rank=1", "debug.kill_at_step=12", strategy=strategy,
+                      restarts=2)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert marker(tmp_path / "killed", 1, 12).is_file()  # the kill happened...
+    assert "resumed from" in killed.stdout and "step_00000010" in killed.stdout  # ...and the restart resumed
+    a, b = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "killed")
+    assert a.name == b.name == "step_00000020"
+    assert_same(load_everything(a), load_everything(b), strategy)  # model, optimizer, every rank's state
+
+
+def test_without_restarts_the_kill_fails_the_launch(tmp_path):
+    out = torchrun(tmp_path, "debug.kill_rank=0", "debug.kill_at_step=3", strategy="ddp", restarts=0)
+    assert out.returncode != 0
+    assert "SIGKILL" in out.stderr or "Signal 9" in out.stderr or "exitcode  : -9" in out.stderr, out.stderr[-2000:]
+
+
+def test_kill_plan_parsing():
+    assert planned_kills(OmegaConf.create({"kill_rank": 1, "kill_at_step": 5})) == [(1, 5)]
+    assert planned_kills(OmegaConf.create({"kill_rank": [0, 2], "kill_at_step": [5, 9]})) == [(0, 5), (2, 9)]
+    assert planned_kills(OmegaConf.create({"kill_rank": 3, "kill_at_step": [4, 8]})) == [(3, 4), (3, 8)]
+    assert planned_kills(OmegaConf.create({"kill_rank": 0, "kill_at_step": None})) == []
+    with pytest.raises(ValueError, match="one per step"):
+        planned_kills(OmegaConf.create({"kill_rank": [0, 1, 2], "kill_at_step": [5, 9]}))
+
+
+def test_nan_gradients_skip_the_update_or_stop(ranks, tmp_path):
+    """A nan loss on rank 1 at step 3: with nonfinite=skip every rank skips that update (the norm is
+    global) and training goes on with finite parameters; with stop the run ends with an error naming
+    the step and the latest checkpoint, which holds only finite values."""
+    import math
+
+    import torch
+
+    from minidist.train.checkpoint import list_checkpoints
+    from train_cases import tiny, train_on_rank
+
+    out = ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "debug.nan_rank=1", "trainer.max_steps=6",
+                                           strategy="zero2"), str(tmp_path / "skip"), timeout_s=120)
+    assert out[0]["skipped_steps"] == out[1]["skipped_steps"] == 1
+    assert all(torch.isfinite(v).all() for v in out[0]["full_state"].values())
+    assert math.isfinite(out[0]["train/loss"])
+    assert "step 3: non-finite gradient norm (nan): the update was skipped" in \
+        (tmp_path / "skip" / "logs" / "rank_0.log").read_text()
+
+    with pytest.raises(Exception, match=r"step 3: non-finite gradient norm \(nan\).*stopping \(trainer.nonfinite=stop\)"):
+        ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "trainer.nonfinite=stop", "trainer.ckpt_every=2",
+                                         "trainer.max_steps=6", strategy="ddp"), str(tmp_path / "stop"), timeout_s=120)
+    assert [c.name for c in list_checkpoints(tmp_path / "stop")] == ["step_00000002"]
+
+
+def test_no_checkpoint_of_non_finite_parameters(ranks, tmp_path):
+    out = ranks(2).run(save_with_a_nan_parameter, tiny("trainer.max_steps=2", strategy="zero3"), str(tmp_path),
+                       timeout_s=120)
+    assert out[0] == out[1] == "refused"
+    from minidist.train.checkpoint import list_checkpoints
+
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+def save_with_a_nan_parameter(cfg_dict, run_dir):
+    """Rank function: train 2 steps, then put a nan into rank 1's shard and try to save."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from minidist.train.trainer import Trainer
+
+    trainer = Trainer(OmegaConf.create(cfg_dict), run_dir)
+    try:
+        trainer.fit()
+        if trainer.ctx.rank == 1:
+            with torch.no_grad():
+                trainer.optimizer.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        trainer.step += 1
+        try:
+            trainer.save()
+        except FloatingPointError as e:
+            assert "refusing to write a checkpoint" in str(e)
+            return "refused"
+        return "saved"
+    finally:
+        trainer.close()
+
+
+def leftover_processes(tag: str) -> list:
+    """Processes still alive that inherited MINIDIST_TEST_TAG=tag (the launcher's ranks)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("MINIDIST_TEST_TAG") == tag:
+                found.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+@pytest.mark.parametrize("strategy, op", [("ddp", "all_reduce"), ("zero2", "reduce_scatter")])
+def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, op):
+    """Rank 1 stops before step 3: rank 0 fails after launcher.timeout_s naming step 3 and the
+    collective it waited in; the launcher exits non-zero; no rank is left running."""
+    import time
+    import uuid
+
+    tag = uuid.uuid4().hex
+    env = {**ENV, "MINIDIST_TEST_TAG": tag}
+    start = time.monotonic()
+    out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=5",
+                          *tiny_overrides("debug.stall_rank=1", "debug.stall_at_step=3", f"hydra.run.dir={tmp_path}",
+                                          strategy=strategy)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 1, out.stderr[-3000:]
+    log = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert f"step 3: {op} of " in log and "did not complete on this rank" in log, log[-2000:]
+    assert "launcher.timeout_s=5 s" in log
+    assert "error: training failed on rank(s)" in out.stderr
+    assert elapsed < 90
+    time.sleep(1)
+    assert leftover_processes(tag) == []
+
+
+INIT = "import minidist; minidist.init_distributed(backend='gloo', timeout_s=3)"
+
+
+def init_with(env_vars: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([PYTHON, "-c", INIT], env={**ENV, **env_vars}, capture_output=True, text=True, timeout=60)
+
+
+def test_port_in_use_is_named():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = init_with({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert out.returncode != 0
+    assert f"port {port} is already in use on this machine" in out.stderr, out.stderr[-2000:]
+
+
+def test_unreachable_master_fails_within_the_timeout():
+    """Rank 1 of 2 and nobody at the master's port (loopback): an error naming the address, not a hang."""
+    import time
+
+    from minidist.dist import free_port
+
+    port = free_port()
+    start = time.monotonic()
+    out = init_with({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert out.returncode != 0
+    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} was not reached within 3 s" in out.stderr, out.stderr[-2000:]
+    assert time.monotonic() - start < 45
+
+
+@pytest.mark.slow
+def test_soak_three_kills_in_a_thousand_steps(tmp_path):
+    """4 ranks, 1,000 steps, a checkpoint every 50, three kills at random steps (fixed seed): the
+    run finishes and its final state equals the uninterrupted run's, bitwise. (make test-all)"""
+    import json
+    import random
+    import time
+
+    rng = random.Random(2026)
+    steps = sorted(rng.sample(range(60, 990), 3))
+    ranks_killed = [rng.randrange(4) for _ in steps]
+    common = ["trainer.max_steps=1000", "trainer.ckpt_every=50", "trainer.log_every=50", "trainer.eval_every=0",
+              "trainer.eval_batches=1"]
+    start = time.monotonic()
+    straight = torchrun(tmp_path / "straight", *common, strategy="zero2", nproc=4)
+    straight_s = time.monotonic() - start
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    start = time.monotonic()
+    killed = torchrun(tmp_path / "killed", *common, f"debug.kill_rank=[{','.join(map(str, ranks_killed))}]",
+                      f"debug.kill_at_step=[{','.join(map(str, steps))}]", strategy="zero2", nproc=4, restarts=3)
+    killed_s = time.monotonic() - start
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    for r, s in zip(ranks_killed, steps):
+        assert marker(tmp_path / "killed", r, s).is_file()
+    a, b = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "killed")
+    assert a.name == b.name == "step_00001000"
+    assert_same(load_everything(a), load_everything(b), "soak")
+    figures = {"steps": 1000, "ranks": 4, "kills": list(zip(ranks_killed, steps)), "straight_s": round(straight_s, 1),
+               "with_kills_s": round(killed_s, 1), "lost_s": round(killed_s - straight_s, 1),
+               "redone_steps": sum(s % 50 for s in steps)}
+    print("soak:", json.dumps(figures))

@@ -1,0 +1,51 @@
+"""scripts/multinode_local.sh: 2 emulated hosts (network namespaces, own IPs, a bridge) x 2 ranks,
+torchrun's c10d rendezvous across them; every rank ends equal to a 4-rank single-host run."""
+
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from train_cases import PYTHON, ROOT
+
+SCRIPT = ROOT / "scripts" / "multinode_local.sh"
+
+
+def namespaces_available() -> str | None:
+    """None when network namespaces can be created here, else why not."""
+    if os.geteuid() != 0:
+        return "not root: creating network namespaces needs root"
+    name = f"mdprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"'ip netns add' failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name])
+    return None
+
+
+def test_two_emulated_hosts_train_like_one(tmp_path):
+    reason = namespaces_available()
+    if reason:
+        pytest.skip(reason)
+    prefix = f"m{uuid.uuid4().hex[:4]}"  # namespace and link names of our own
+    env = {**os.environ, "OUT": str(tmp_path), "PREFIX": prefix, "PYTHON": PYTHON, "TIMEOUT_S": "180"}
+    out = subprocess.run(["bash", str(SCRIPT), "trainer.max_steps=8", "trainer.micro_batch_size=4",
+                          "trainer.eval_batches=1", "trainer.ckpt_every=0", "trainer.log_every=4",
+                          "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
+                          "data.max_bytes=200000"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for strategy in ("ddp", "zero2"):
+        assert f"{strategy}: 4 ranks on emulated hosts" in out.stdout
+    assert out.stdout.count("every rank identical and equal to the single-host run") == 2, out.stdout
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in listing  # cleaned up
+
+
+def test_without_root_it_says_so():
+    env = {**os.environ}
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "bash", str(SCRIPT)],
+                         env=env, capture_output=True, text=True, timeout=60) if os.geteuid() == 0 else \
+        subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "cannot create network namespaces here (needs root" in out.stderr
