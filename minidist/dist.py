@@ -126,6 +126,24 @@ def choose_backend(backend: str, local_world_size: int) -> str:
     return "gloo"
 
 
+def _restart_safe_store(timeout: datetime.timedelta):
+    """Under torchrun, a store whose keys are this restart attempt's own, or None elsewhere.
+
+    torchrun's workers share the agent's store, which outlives a restart (same host and
+    port), while the process group writes its members' addresses under the same keys each
+    attempt: after `--max-restarts` brought the group back, a rank could read a dead peer's
+    address from the previous attempt and fail to connect ("Connection refused"), now and
+    then (pytorch/pytorch#167288 reports the same with nccl). A prefix per attempt keeps them apart.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    agent = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    run = env.get("TORCHELASTIC_RUN_ID", "run")
+    return dist.PrefixStore(f"minidist/{run}/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", agent)
+
+
 class RendezvousError(RuntimeError):
     """The process group could not be formed: the message says why and what to change."""
 
@@ -175,8 +193,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
             os.environ.setdefault("MASTER_ADDR", info.master_addr)
             os.environ.setdefault("MASTER_PORT", str(info.master_port))
             try:
-                dist.init_process_group(backend, init_method="env://", rank=info.rank,
-                                        world_size=info.world_size, timeout=timeout)
+                store = _restart_safe_store(timeout)
+                dist.init_process_group(backend, **({"store": store} if store else {"init_method": "env://"}),
+                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - re-raised with the cause and the fix named
                 raise RendezvousError(rendezvous_failure(e, info.rank, info.world_size, timeout_s)) from e
     _CONTEXT = DistContext(

@@ -62,8 +62,8 @@ for i in $(seq 1 "$HOSTS"); do
     ip netns exec "$ns" ip addr add "$SUBNET.$i/24" dev eth0
     ip netns exec "$ns" ip link set eth0 up
 done
-for i in $(seq 2 "$HOSTS"); do  # every host reaches host 1 before anything starts
-    ip netns exec "${PREFIX}h$i" ping -c 1 -W 2 "$SUBNET.1" >/dev/null || die "host $i cannot reach host 1"
+for i in $(seq 2 "$HOSTS"); do  # every host has a route to host 1 before anything starts
+    ip netns exec "${PREFIX}h$i" ip -4 route get "$SUBNET.1" >/dev/null 2>&1 || die "host $i has no route to host 1"
 done
 echo "multinode_local: $HOSTS hosts ($SUBNET.1-$HOSTS) x $NPROC_PER_HOST ranks; runs in $OUT"
 
@@ -80,9 +80,13 @@ for strategy in $STRATEGIES; do
     pids=()
     for i in $(seq 1 "$HOSTS"); do
         # Each host: its own address for torchrun's store (--local-addr) and for gloo (its eth0).
+        # Host 1 serves the rendezvous (is_host: the namespaces share one hostname, so torchrun
+        # cannot tell from names which of them owns the endpoint's address).
+        is_host=$([ "$i" = 1 ] && echo 1 || echo 0)
         ip netns exec "${PREFIX}h$i" env GLOO_SOCKET_IFNAME=eth0 timeout -k 10 "$TIMEOUT_S" \
             "$PYTHON" "${TORCHRUN[@]}" --nnodes "$HOSTS" --nproc_per_node "$NPROC_PER_HOST" \
             --rdzv-backend c10d --rdzv-endpoint "$SUBNET.1:$PORT" --rdzv-id "$strategy" --local-addr "$SUBNET.$i" \
+            --rdzv-conf "is_host=$is_host" \
             recipes/train.py "${common[@]}" "hydra.run.dir=$multi" > "$OUT/$strategy.host$i.log" 2>&1 &
         pids+=($!)
     done

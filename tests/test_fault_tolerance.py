@@ -9,7 +9,7 @@ import pytest
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.faults import marker, planned_kills
 from omegaconf import OmegaConf
-from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny_overrides
+from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny, tiny_overrides
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -24,7 +24,7 @@ def torchrun(run_dir, *overrides, strategy: str, restarts: int = 0, nproc: int =
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy):
     straight = torchrun(tmp_path / "straight", strategy=strategy)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, straight.stderr[-8000:]
     killed = torchrun(tmp_path / "killed", "debug.kill_rank=1", "debug.kill_at_step=12", strategy=strategy,
                       restarts=2)
     assert killed.returncode == 0, killed.stderr[-3000:]
@@ -59,7 +59,7 @@ def test_nan_gradients_skip_the_update_or_stop(ranks, tmp_path):
     import torch
 
     from minidist.train.checkpoint import list_checkpoints
-    from train_cases import tiny, train_on_rank
+    from train_cases import train_on_rank
 
     out = ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "debug.nan_rank=1", "trainer.max_steps=6",
                                            strategy="zero2"), str(tmp_path / "skip"), timeout_s=120)
@@ -122,17 +122,18 @@ def leftover_processes(tag: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("strategy, op", [("ddp", "all_reduce"), ("zero2", "reduce_scatter")])
+@pytest.mark.parametrize("strategy, op", [("zero2", "reduce_scatter")])
 def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, op):
     """Rank 1 stops before step 3: rank 0 fails after launcher.timeout_s naming step 3 and the
-    collective it waited in; the launcher exits non-zero; no rank is left running."""
+    collective it waited in (here our send/recv ring's, which must time out like the backend's
+    own); the launcher exits non-zero; no rank is left running."""
     import time
     import uuid
 
     tag = uuid.uuid4().hex
     env = {**ENV, "MINIDIST_TEST_TAG": tag}
     start = time.monotonic()
-    out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=5",
+    out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=4",
                           *tiny_overrides("debug.stall_rank=1", "debug.stall_at_step=3", f"hydra.run.dir={tmp_path}",
                                           strategy=strategy)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -140,7 +141,7 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, 
     assert out.returncode == 1, out.stderr[-3000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert f"step 3: {op} of " in log and "did not complete on this rank" in log, log[-2000:]
-    assert "launcher.timeout_s=5 s" in log
+    assert "launcher.timeout_s=4 s" in log
     assert "error: training failed on rank(s)" in out.stderr
     assert elapsed < 90
     time.sleep(1)
@@ -196,7 +197,7 @@ def test_soak_three_kills_in_a_thousand_steps(tmp_path):
     start = time.monotonic()
     straight = torchrun(tmp_path / "straight", *common, strategy="zero2", nproc=4)
     straight_s = time.monotonic() - start
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, straight.stderr[-8000:]
     start = time.monotonic()
     killed = torchrun(tmp_path / "killed", *common, f"debug.kill_rank=[{','.join(map(str, ranks_killed))}]",
                       f"debug.kill_at_step=[{','.join(map(str, steps))}]", strategy="zero2", nproc=4, restarts=3)

@@ -24,12 +24,13 @@ def namespaces_available() -> str | None:
     return None
 
 
+@pytest.mark.timeout(600)  # the script bounds each run by TIMEOUT_S: 2 strategies x 2 runs x 120 s at worst
 def test_two_emulated_hosts_train_like_one(tmp_path):
     reason = namespaces_available()
     if reason:
         pytest.skip(reason)
-    prefix = f"m{uuid.uuid4().hex[:4]}"  # namespace and link names of our own
-    env = {**os.environ, "OUT": str(tmp_path), "PREFIX": prefix, "PYTHON": PYTHON, "TIMEOUT_S": "180"}
+    prefix = "mdt"  # names of our own; a run killed half-way is cleaned up by the next one
+    env = {**os.environ, "OUT": str(tmp_path), "PREFIX": prefix, "PYTHON": PYTHON, "TIMEOUT_S": "120"}
     out = subprocess.run(["bash", str(SCRIPT), "trainer.max_steps=8", "trainer.micro_batch_size=4",
                           "trainer.eval_batches=1", "trainer.ckpt_every=0", "trainer.log_every=4",
                           "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
@@ -39,7 +40,7 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
         assert f"{strategy}: 4 ranks on emulated hosts" in out.stdout
     assert out.stdout.count("every rank identical and equal to the single-host run") == 2, out.stdout
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in listing  # cleaned up
+    assert f"{prefix}h1" not in listing and f"{prefix}h2" not in listing  # cleaned up
 
 
 def test_without_root_it_says_so():

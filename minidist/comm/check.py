@@ -29,7 +29,10 @@ class CollectiveMismatch(RuntimeError):
 
 
 def check_collectives(enabled: bool = True) -> None:
-    """Turn the cross-rank fingerprint check of every minidist.comm collective on or off."""
+    """Turn the cross-rank fingerprint check of every minidist.comm collective on or off.
+    Turning it on starts counting collectives afresh (every rank must turn it on together)."""
+    if enabled and not _state["enabled"]:
+        _state["sequence"].clear()
     _state["enabled"] = bool(enabled)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import resource
 import time
 from pathlib import Path
@@ -70,7 +71,11 @@ def state_digest(module: torch.nn.Module) -> str:
 
     h = hashlib.sha256()
     for name, t in module.state_dict().items():
-        t = t.detach().cpu().contiguous()
+        t = _local_tensor(t).detach()
+        if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
+            h.update(f"{name}:freed".encode())  # ZeRO-3 frees a unit's storage between uses
+            continue
+        t = t.cpu().contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()[:16]
@@ -119,8 +124,10 @@ class Trainer:
         self.nan_at = (int(debug["nan_at_step"]), int(debug.get("nan_rank", 0))) \
             if debug.get("nan_at_step") is not None else None
         self.skipped_steps = 0
-        # Each rank its own stream of randomness from here on (dropout, augmentation).
+        # Each rank its own stream of randomness from here on (dropout, augmentation), Python's
+        # too: a run must not depend on the entropy its processes started with.
         torch.manual_seed(t.seed + 1000 * ctx.rank)
+        random.seed(t.seed + 1000 * ctx.rank)
         if resume_from is not None:
             self._resume(Path(resume_from))
         self.log.info(f"{self.strategy.name}: {cfg.model.name} ({self.n_params / 1e6:.2f}M parameters) on "
@@ -304,9 +311,10 @@ class Trainer:
         self.log.info(f"warning: {message}; training goes on (trainer.nonfinite=skip)")
 
     def _parameters_finite(self) -> bool:
-        """Every rank's parameters, and the optimizer's (ZeRO's shards), all finite? A collective."""
-        local = [_local_tensor(p) for p in self.net.parameters()]
-        local += [_local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
+        """Are the parameters the optimizer updates (ZeRO's shards, fully_shard's local shards,
+        the model's own otherwise) finite on every rank? A collective. (Not the module's own
+        tensors: ZeRO-3 frees their storage between uses.)"""
+        local = [_local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
         bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local if t.numel()) else 1.0],
                            device=self.ctx.device)
         comm.all_reduce(bad, op=comm.ReduceOp.MAX)
