@@ -138,13 +138,13 @@ def _compare(cfg, ctx) -> dict | None:
     timelines = {}
     for n in names:
         comm.barrier()
-        timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size)
+        timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size, replicas[n].model)
     if bool(c.timeline) and "ddp" in names:
         extra = Replica(NO_OVERLAP, OmegaConf.merge(options["ddp"], {"overlap": False}), cfg, info, ctx, total)
         for _ in range(2):  # warm: the first steps allocate buckets and optimizer state
             extra.step(micro)
         comm.barrier()
-        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size)
+        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size, extra.model)
         del extra
 
     micro = _micro_batches(train_set, batches, grad_accum, ctx.device)

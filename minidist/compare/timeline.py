@@ -149,8 +149,18 @@ def native_stderr_silenced():
         os.close(null)
 
 
-def record_step(run, world_size: int) -> dict:
-    """Run `run()` (one optimizer step) under the profiler and return this rank's timeline."""
+def settle(model) -> None:
+    """Wait for communication a step left in flight (ZeRO-1/2's parameter gathers after the
+    optimizer step). Must happen before the profiler stops: a gloo work issued while it records
+    and finished after it is gone calls back into a freed profiler (a segmentation fault)."""
+    wait = getattr(model, "wait_for_parameters", None)
+    if wait is not None:
+        wait()
+
+
+def record_step(run, world_size: int, model=None) -> dict:
+    """Run `run()` (one optimizer step) under the profiler and return this rank's timeline.
+    `model`: the wrapped model, whose communication still in flight is waited for (see settle)."""
     main = threading.get_ident()
     ring_spans: list[tuple[str, float, float, bool]] = []
 
@@ -168,6 +178,7 @@ def record_step(run, world_size: int) -> dict:
                     anchor = time.perf_counter()
                 run()
             finally:
+                settle(model)
                 with native_stderr_silenced():
                     prof.stop()
     finally:

@@ -180,7 +180,7 @@ class Trainer:
         from minidist.compare.timeline import record_step, write_chrome_trace
 
         result: dict = {}
-        trace = record_step(lambda: result.update(self.train_step(batches)), self.ctx.world_size)
+        trace = record_step(lambda: result.update(self.train_step(batches)), self.ctx.world_size, self.model)
         traces = dict(enumerate(comm.all_gather_object(trace)))
         if self.ctx.rank == 0:
             stem = self.run_dir / f"timeline_step_{self.step + 1}"
