@@ -97,9 +97,9 @@ def main_section(r: dict) -> list[str]:
         shutil.copy(OUT / "main" / f"timeline_{n}.png", IMG / f"timeline_{n}.png")
     hidden = {n: t for n, t in ((n, rows[n]["hidden_fraction"]) for n in rows) if t is not None}
     wins = [f"{n} ({rows[n]['time_ratio']:.3f})" for n in rows if rows[n]["kind"] == "minidist"
-            and rows[n]["time_ratio"] is not None and rows[n]["time_ratio"] <= 1.0]
+            and rows[n]["time_ratio"] is not None and round(rows[n]["time_ratio"], 2) <= 1.0]
     losses = [f"{n} ({rows[n]['time_ratio']:.3f})" for n in rows if rows[n]["kind"] == "minidist"
-              and rows[n]["time_ratio"] is not None and rows[n]["time_ratio"] > 1.0]
+              and rows[n]["time_ratio"] is not None and round(rows[n]["time_ratio"], 2) > 1.0]
     nl = "\n"
     return [
         "## Ours vs native PyTorch and DeepSpeed (`recipes/compare.py`)",
