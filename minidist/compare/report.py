@@ -51,7 +51,7 @@ def max_state_difference(a: dict, b: dict) -> float:
     return worst
 
 
-def _percentile_row(values: list[float]) -> dict:
+def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else \
         {"median": float("nan"), "min": float("nan"), "max": float("nan")}
 
@@ -76,7 +76,7 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         rows[name] = {
             "strategy": name, "kind": kind(name), "reference": reference_for(name, names, references),
             "final_loss": per["loss"][-1],
-            "step_s": _percentile_row(per["step_s"]),
+            "step_s": _spread(per["step_s"]),
             "blocked_s": statistics.median(per["blocked_s"]) if per["blocked_s"] else None,
             "comm_s": max(t["comm_s"] for t in ranks.values()),
             "exposed_comm_s": max(t["exposed_comm_s"] for t in ranks.values()),

@@ -38,10 +38,6 @@ from minidist.train.models import count_parameters
 NO_OVERLAP = "ddp_no_overlap"  # the timeline's extra: ddp reducing every bucket after backward
 
 
-def unique_parameters(net) -> int:
-    return count_parameters(net)  # Module.parameters() yields a tied weight once
-
-
 def _micro_batches(train_set, batches, grad_accum: int, device):
     out = []
     for _ in range(grad_accum):
@@ -111,7 +107,7 @@ def _compare(cfg, ctx) -> dict | None:
     total = warmup + steps + 2  # + the profiled step and the memory step
     options = c.options
     replicas = {n: Replica(n, options[n], cfg, info, ctx, total) for n in names}
-    psi = unique_parameters(replicas[names[0]].net)
+    psi = count_parameters(replicas[names[0]].net)  # a tied weight counts once
     minidist.print0(f"compare: {', '.join(names)} on {cfg.model.name} ({psi / 1e6:.2f}M parameters), "
                     f"{cfg.data.name}, {ctx.world_size} rank(s), {ctx.backend}; {warmup} warm-up + {steps} timed "
                     f"steps, interleaved; global batch {int(t.micro_batch_size) * grad_accum * ctx.world_size}")

@@ -1,4 +1,4 @@
-"""Fault injection, to prove recovery: a rank SIGKILLs itself mid-training.
+"""Fault injection, to prove recovery: a rank dies, stalls, or produces nan gradients.
 
     torchrun --max-restarts 2 --nproc_per_node 2 recipes/train.py hydra.run.dir=runs/a \\
         debug.kill_rank=1 debug.kill_at_step=12
@@ -8,12 +8,20 @@ step's checkpoint, so recovery has work to redo). Each kill happens once per run
 a marker file in <run dir>/faults/ is written (and synced) first, so the group torchrun
 restarts resumes from the latest complete checkpoint and runs through. Several kills:
 lists of the same length, e.g. debug.kill_rank=[1,3,0] debug.kill_at_step=[120,480,777].
+
+debug.stall_rank / debug.stall_at_step: that rank stops participating before that step (it
+sleeps, as a rank stuck in a data loader or a deadlock would); the others must fail after
+launcher.timeout_s (minidist/train/hangs.py names what they waited for).
+debug.nan_rank / debug.nan_at_step: that rank's loss becomes nan at that step.
+
+The trainer parses the plan once (FaultPlan) and asks it at each step.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -47,3 +55,32 @@ def maybe_kill(kills: list[tuple[int, int]], run_dir: Path, rank: int, step: int
         f.flush()
         os.fsync(f.fileno())
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank_and_step(debug_cfg, prefix: str) -> tuple[int, int] | None:
+    """(debug.PREFIX_rank, debug.PREFIX_at_step), or None when no step is given."""
+    if debug_cfg is None or debug_cfg.get(f"{prefix}_at_step") is None:
+        return None
+    return int(debug_cfg.get(f"{prefix}_rank", 0)), int(debug_cfg[f"{prefix}_at_step"])
+
+
+class FaultPlan:
+    """The faults the debug config asks for, parsed once."""
+
+    def __init__(self, debug_cfg):
+        self.kills = planned_kills(debug_cfg)
+        self.stall = _rank_and_step(debug_cfg, "stall")
+        self.nan = _rank_and_step(debug_cfg, "nan")
+
+    def maybe_kill(self, run_dir: Path, rank: int, step: int) -> None:
+        maybe_kill(self.kills, run_dir, rank, step)
+
+    def maybe_stall(self, rank: int, step: int) -> None:
+        """Stop participating, for good, if this rank is to stall before this step."""
+        if self.stall == (rank, step):
+            while True:  # until the launcher stops the job
+                time.sleep(3600)
+
+    def nan_loss(self, rank: int, step: int) -> bool:
+        """Is this rank's loss to be nan at this step?"""
+        return self.nan == (rank, step)

@@ -6,13 +6,10 @@ process group); a dead peer fails its collectives at once (the connection closes
 the collective this rank was waiting for — from minidist.comm's tracer for our strategies,
 generically for native ones — and the launcher then stops every rank and exits non-zero.
 
-Fault injection for the test: debug.stall_rank=R debug.stall_at_step=S makes rank R stop
-before step S (it sleeps, as a rank stuck in a data loader or a deadlock would).
+The test stalls a rank with debug.stall_rank / debug.stall_at_step (minidist/train/faults.py).
 """
 
 from __future__ import annotations
-
-import time
 
 # What the backends' messages contain when a peer is gone or late (gloo, nccl, c10d).
 _SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "gloo", "nccl", "socket", "broken pipe")
@@ -43,11 +40,3 @@ def collective_failure(error: BaseException, records, step: int, strategy: str,
         f"participating (it died, is stuck, or issued a different collective); collectives give up after "
         f"launcher.timeout_s={timeout_s:g} s")
 
-
-def maybe_stall(debug_cfg, rank: int, step: int) -> None:
-    """debug.stall_rank / debug.stall_at_step: this rank stops participating before that step."""
-    if debug_cfg is None or debug_cfg.get("stall_at_step") is None:
-        return
-    if rank == int(debug_cfg.get("stall_rank", 0)) and step == int(debug_cfg.stall_at_step):
-        while True:  # until the launcher stops the job
-            time.sleep(3600)

@@ -41,7 +41,7 @@ DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
 STRATEGIES = OURS + NATIVE + DEEPSPEED
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (fully_shard's parameters), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -125,11 +125,11 @@ class Strategy:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
-        params = [_local(p) for p in self.net.parameters()]
+        params = [local_tensor(p) for p in self.net.parameters()]
         return measure({
             "parameters": params,
-            "gradients": [_local(p.grad) for p in self.net.parameters() if p.grad is not None],
-            "optimizer_state": [_local(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
+            "gradients": [local_tensor(p.grad) for p in self.net.parameters() if p.grad is not None],
+            "optimizer_state": [local_tensor(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
         })
 
 
@@ -256,10 +256,10 @@ class NativeDDP(Strategy):
         return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
 
     def _ddp(self, net):
-        model = self._native_ddp(net)
         if not bool(self.cfg.get("overlap", True)):
             raise ConfigError(f"strategy.overlap=false: {self.name} (torch's DDP) always overlaps; only strategy=ddp "
                               "can reduce after backward")
+        model = self._native_ddp(net)
         hook = str(self.cfg.get("comm_hook", "allreduce"))
         if hook != "allreduce":  # the same compression as ours, through torch's own hooks
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -30,12 +30,12 @@ from minidist import comm
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
-from minidist.train.faults import maybe_kill, planned_kills
-from minidist.train.hangs import collective_failure, maybe_stall
+from minidist.train.faults import FaultPlan
+from minidist.train.hangs import collective_failure
 from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
 from minidist.train.observe import RunLog
 from minidist.train.step import optimizer_step_over, task_loss
-from minidist.train.strategy import build_strategy
+from minidist.train.strategy import build_strategy, local_tensor
 
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 
@@ -60,18 +60,13 @@ def optimizer_spec(optim_cfg) -> tuple[type, dict]:
     return OPTIMIZERS[optim_cfg.name], kwargs
 
 
-def _local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (fully_shard), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def state_digest(module: torch.nn.Module) -> str:
     """SHA-256 of a module's state_dict as this rank holds it (names, dtypes, shapes, bytes)."""
     import hashlib
 
     h = hashlib.sha256()
     for name, t in module.state_dict().items():
-        t = _local_tensor(t).detach()
+        t = local_tensor(t).detach()
         if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
             h.update(f"{name}:freed".encode())  # ZeRO-3 frees a unit's storage between uses
             continue
@@ -117,12 +112,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.step = 0
-        self.kills = planned_kills(cfg.get("debug"))
-        if (cfg.get("debug") or {}).get("check_collectives"):
+        debug = cfg.get("debug")
+        self.faults = FaultPlan(debug)  # debug.kill_* / stall_* / nan_*: fault injection
+        if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
-        debug = cfg.get("debug") or {}
-        self.nan_at = (int(debug["nan_at_step"]), int(debug.get("nan_rank", 0))) \
-            if debug.get("nan_at_step") is not None else None
         self.skipped_steps = 0
         # Each rank its own stream of randomness from here on (dropout, augmentation), Python's
         # too: a run must not depend on the entropy its processes started with.
@@ -149,7 +142,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns this rank's measurements."""
         start = time.perf_counter()
         data_s = 0.0
-        maybe_stall(self.cfg.get("debug"), self.ctx.rank, self.step + 1)  # debug.stall_*: fault injection
+        self.faults.maybe_stall(self.ctx.rank, self.step + 1)
         with comm.CommTracer() as tracer, self._collectives_named(tracer):
             micro_batches = []
             for _ in range(self.grad_accum):
@@ -160,7 +153,7 @@ class Trainer:
                 data_s += time.perf_counter() - t0
             clip = float(self.cfg.trainer.grad_clip)
             loss_fn = self._loss
-            if self.nan_at == (self.step + 1, self.ctx.rank):  # debug.nan_at_step: fault injection
+            if self.faults.nan_loss(self.ctx.rank, self.step + 1):
                 loss_fn = lambda out, y: self._loss(out, y) * float("nan")  # noqa: E731
             loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, loss_fn,
                                                       clip if clip > 0 else math.inf, self.scaler, self._autocast)
@@ -258,7 +251,7 @@ class Trainer:
             else:
                 m = self.train_step(batches)
             self.step += 1
-            maybe_kill(self.kills, self.run_dir, self.ctx.rank, self.step)  # debug.kill_*: fault injection
+            self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
             if not math.isfinite(float(m["grad_norm"])):
                 self._non_finite(float(m["grad_norm"]))
             history.append(m)
@@ -314,7 +307,7 @@ class Trainer:
         """Are the parameters the optimizer updates (ZeRO's shards, fully_shard's local shards,
         the model's own otherwise) finite on every rank? A collective. (Not the module's own
         tensors: ZeRO-3 frees their storage between uses.)"""
-        local = [_local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
+        local = [local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
         bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local if t.numel()) else 1.0],
                            device=self.ctx.device)
         comm.all_reduce(bad, op=comm.ReduceOp.MAX)
