@@ -57,6 +57,7 @@ class CommRecord:
     sent_bytes: float = 0.0         # bytes this rank sends under the ring model
     algorithm: str = "backend"      # "backend" (torch.distributed's collective) or "ring" (minidist.comm.ring)
     blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
+    group_ranks: tuple = ()         # the group's members, as world ranks (tells a mesh's groups apart)
 
     @property
     def duration(self) -> float | None:
@@ -115,6 +116,13 @@ class CommTracer:
             row["sent_bytes"] += r.sent_bytes
         return dict(out)
 
+    def sent_bytes_by_group(self) -> dict[tuple, float]:
+        """Ring-model bytes this rank sent, per group (keyed by the group's world ranks)."""
+        out: dict[tuple, float] = defaultdict(float)
+        for r in self.records:
+            out[r.group_ranks] += r.sent_bytes
+        return dict(out)
+
     def calls(self, op: str) -> list[CommRecord]:
         return [r for r in self.records if r.op == op]
 
@@ -143,7 +151,9 @@ def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bo
     n = dist.get_world_size(group)
     rec = CommRecord(op=op, bytes=int(nbytes), dtype=str(dtype).replace("torch.", "") if dtype else "-",
                      group_size=n, async_op=async_op, issued=time.perf_counter(),
-                     sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root), algorithm=algorithm)
+                     sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root), algorithm=algorithm,
+                     group_ranks=tuple(dist.get_process_group_ranks(group)) if group is not None
+                     else tuple(range(dist.get_world_size())))
     for tracer in CommTracer._active:
         tracer.records.append(rec)
     return rec

@@ -1,9 +1,10 @@
 """Data-parallel strategies: DataParallel (DDP) and ShardedDataParallel (ZeRO 1/2/3), from scratch."""
 
-from minidist.parallel.comm_hooks import allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from minidist.parallel.comm_hooks import HierarchicalAllReduce, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from minidist.parallel.ddp import DataParallel
 from minidist.parallel.join import Join
 from minidist.parallel.powersgd import PowerSGD
 from minidist.parallel.zero import ShardedDataParallel
 
-__all__ = ["DataParallel", "ShardedDataParallel", "Join", "PowerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"]
+__all__ = ["DataParallel", "ShardedDataParallel", "Join", "PowerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+           "HierarchicalAllReduce"]

@@ -46,3 +46,7 @@ class BufferSync:
     def force_next(self) -> None:
         """The next forward broadcasts, on every rank that calls this (after Join's final sync)."""
         self._due = True
+
+    def set_due(self, due: bool) -> None:
+        """Say whether the next forward broadcasts (Join: a rank that left follows the others' notice)."""
+        self._due = due

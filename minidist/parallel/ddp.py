@@ -41,6 +41,7 @@ from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
+from minidist.parallel.join import FORWARD, final_sync, global_rank
 from minidist.parallel.powersgd import PowerSGD
 
 
@@ -254,28 +255,31 @@ class DataParallel(BucketedBackward, nn.Module):
     def forward(self, *args, **kwargs):
         src = None
         if self._join is not None:  # uneven inputs: tell the ranks that left what this forward does
-            notice = self._join.exchange(self, active=True, buffers_due=self._buffer_sync.due,
+            notice = self._join.announce(self, FORWARD, buffers_due=self._buffer_sync.due,
                                          will_sync=torch.is_grad_enabled() and self._sync_enabled)
-            src = self._global(notice.authoritative)
+            src = global_rank(self, notice.authoritative)
         self._buffer_sync.before_forward(self._sync_enabled, src=src)
         return self.module(*args, **kwargs)
 
     # ----------------------------------------------------------------------- Join (uneven inputs)
 
-    def _global(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.process_group, group_rank) if self.process_group is not None else group_rank
-
     def _join_device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
+
+    def _join_group(self):
+        return self.process_group, self.world_size  # the ranks that exchange Join's notices
+
+    def _join_extra_size(self) -> int:
+        return 0  # a DataParallel notice carries nothing beyond the common fields
 
     def _shadow_one_iteration(self, join) -> bool:
         """On a rank that has left its loop: mirror one iteration of the ranks still training.
         False once none is."""
-        notice = join.exchange(self, active=False, will_sync=False, buffers_due=False)
+        notice = join.listen(self)
         if not notice.active:
             return False
         if notice.buffers_due:
-            self._buffer_sync.broadcast(self._global(notice.authoritative))
+            self._buffer_sync.broadcast(global_rank(self, notice.authoritative))
         if notice.will_sync:
             with torch.no_grad():  # their backward's collectives, with zero gradients
                 for bucket in self._buckets:
@@ -289,9 +293,7 @@ class DataParallel(BucketedBackward, nn.Module):
         return True
 
     def _take_final_state(self, join) -> None:
-        from minidist.parallel.join import final_sync
-
-        final_sync(self, join)
+        final_sync(self, join, [p.data for p in self.module.parameters()] + [b.data for b in self.module.buffers()])
         self._buffer_sync.force_next()  # every rank alike from here on
 
     def full_state_dict(self) -> dict:

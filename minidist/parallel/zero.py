@@ -38,11 +38,13 @@ from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSw
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.replicas import ReplicaReduce
+from minidist.parallel.zero_join import ShardedJoin
 
 CHECKPOINT_FORMAT = "minidist.sharded.v1"
 
 
-class ShardedDataParallel(GradientSyncSwitch, nn.Module):
+class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
 
     Args:
@@ -65,6 +67,12 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
             their reduce_scatter at once (bounds peak memory; backward waits beyond it).
         unit_policy, min_unit_params, prefetch: stage 3 only, see zero3.py.
         process_group: the group to shard over (default: the world).
+        mesh: hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S): shard over
+            the mesh's shard group (one host), replicate across its replicate group. Gradients
+            are reduce_scattered within the shard group, then each shard is all_reduced across
+            the replicas (only that crosses hosts: 1/S of the bytes); parameters are gathered
+            within the shard group only. Memory per rank follows S, not R x S. Not with
+            process_group.
     """
 
     def __new__(cls, *args, stage: int = 2, **kwargs):
@@ -82,7 +90,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def _setup_common(self, module: nn.Module, optimizer_factory: Callable, stage: int, process_group,
                       param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                      max_inflight: int, broadcast_buffers: bool, collectives: str) -> list:
+                      max_inflight: int, broadcast_buffers: bool, collectives: str, mesh=None) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
         if not callable(optimizer_factory):
@@ -95,16 +103,26 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         self.max_inflight = max_inflight
         self.module = module
         self.stage = stage
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        if mesh is not None and process_group is not None:
+            raise ValueError("ShardedDataParallel: give mesh (hybrid sharding) or process_group, not both")
+        self.mesh = mesh
+        # Sharding happens over process_group (with a mesh: its shard group); data parallelism,
+        # the buffer broadcast and Join span dp_group (with a mesh: the whole world).
+        self.process_group = mesh.shard_group if mesh is not None else process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.dp_group = None if mesh is not None else process_group
+        self.dp_size = dist.get_world_size(self.dp_group)
+        self.source_rank = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
+        # HSDP's second level: each reduced shard is summed across the replicas (replicas.py).
+        self._replicas = ReplicaReduce(mesh.replicate_group, collectives) if mesh is not None and \
+            mesh.replicate > 1 else None
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
         comm.choose_algorithm("reduce_scatter", process_group, collectives)  # raises on a bad choice
         self.collectives = collectives
-        replicate_from_source(module, self.source_rank, process_group)
-        self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
+        replicate_from_source(module, self.source_rank, self.dp_group)
+        self._buffer_sync = BufferSync(module, broadcast_buffers, self.dp_size, self.source_rank, self.dp_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("ShardedDataParallel: the model has no trainable parameters")
@@ -112,10 +130,15 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         self._params = [p for _, p in named]
         return named
 
+    def _across_replicas(self, handle, reduced: torch.Tensor):
+        """With a mesh: chain the all_reduce of `reduced` across the replicas behind `handle`."""
+        return handle if self._replicas is None else self._replicas.after(handle, reduced)
+
     def _make_optimizer(self, optimizer_factory: Callable) -> None:
         self.optimizer = optimizer_factory([s.master for s in self._shards])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer_factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self.optimizer.register_step_pre_hook(lambda *_: self._join_step())  # under Join: announce the step
         self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
 
     def _after_optimizer_step(self) -> None:
@@ -127,7 +150,8 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def _before_forward(self, args, kwargs):
         """What every stage's forward does first: sync buffers (native DDP's rule), cast inputs."""
-        self._buffer_sync.before_forward(self._sync_enabled)
+        src = self._join_forward(args, kwargs)  # under Join: tell the ranks that left what this forward does
+        self._buffer_sync.before_forward(self._sync_enabled, src=src)
         return self._cast_inputs(args, kwargs)
 
     def _cast_inputs(self, args, kwargs):
@@ -140,6 +164,7 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by the global norm over all shards (as if unsharded); return that norm."""
+        self._join_clip(max_norm, norm_type)  # under Join: the ranks that left take part in the norm
         grads = [s.master.grad for s in self._shards if s.master.grad is not None]
         device = self._shards[0].device
         if norm_type == math.inf:
@@ -200,6 +225,8 @@ class ShardedDataParallel(GradientSyncSwitch, nn.Module):
         shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
         return {
             "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
+            # with a mesh, world_size/rank are the shard group's: every replica holds the same shards
+            "mesh": None if self.mesh is None else [self.mesh.replicate, self.mesh.shard],
             "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
             "param_groups": opt_state["param_groups"],
             "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
@@ -279,22 +306,23 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", **unused):
+                 max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
+                 **unused):
         nn.Module.__init__(self)
         if unused:
             raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives)
+                           max_inflight, broadcast_buffers, collectives, mesh)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
         self._shards, self._buckets, self._where = [], [], {}
         for k, ids in enumerate(plan):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
-                              rank=self.rank, world_size=self.world_size, group=process_group,
+                              rank=self.rank, world_size=self.world_size, group=self.process_group,
                               compute_dtype=param_dtype, keep_full=True, algorithm=collectives)
-            bucket = ShardBucket(k, list(ids), buffer=None, views=[], process_group=process_group,
+            bucket = ShardBucket(k, list(ids), buffer=None, views=[], process_group=self.process_group,
                                  world_size=self.world_size)
             bucket.shard = shard
             self._shards.append(shard)
@@ -315,7 +343,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         # Unused parameters contribute zero gradient (a flat shard cannot hold "no gradient").
         self._init_bucketed_backward(self._names, self._params, overlap=(stage == 2 and overlap),
                                      find_unused_parameters=True, world_size=self.world_size,
-                                     process_group=process_group)
+                                     process_group=self.process_group)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
@@ -370,7 +398,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         if p.grad is None:
             view.zero_()
         else:
-            torch.mul(p.grad, 1.0 / self.world_size, out=view)
+            torch.mul(p.grad, 1.0 / self.dp_size, out=view)  # the average over every data-parallel rank
             p.grad = None  # the bucket holds it now; the full-size gradient is freed
 
     def _launch(self, bucket: ShardBucket):
@@ -380,8 +408,9 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         else:
             bucket.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
             self._release_completed()
-        return comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True,
-                                          algorithm=self.collectives)
+        handle = comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True,
+                                            algorithm=self.collectives)
+        return self._across_replicas(handle, bucket.reduced)
 
     def _limit_inflight(self) -> None:
         # Before taking another full-size buffer, let the oldest launched reductions finish.

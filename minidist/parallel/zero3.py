@@ -31,6 +31,7 @@ from minidist import comm
 from minidist.buckets import BufferPool
 from minidist.parallel.flat_shard import FlatShard
 from minidist.parallel.zero import ShardedDataParallel
+from minidist.parallel.zero_join import tensors_in
 
 
 def plan_units(module: nn.Module, trainable: list[nn.Parameter], policy: Callable[[str, nn.Module], bool] | None,
@@ -89,10 +90,10 @@ class ZeroStage3(ShardedDataParallel):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
-                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto"):
+                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None):
         nn.Module.__init__(self)
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives)
+                           max_inflight, broadcast_buffers, collectives, mesh)
         self.prefetch = prefetch and overlap
         self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
@@ -109,7 +110,7 @@ class ZeroStage3(ShardedDataParallel):
             groups.insert(0, ("<root>", None, root_ids))
         for k, (name, sub, ids) in enumerate(groups):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
-                              world_size=self.world_size, group=process_group, compute_dtype=param_dtype,
+                              world_size=self.world_size, group=self.process_group, compute_dtype=param_dtype,
                               keep_full=False, algorithm=collectives)
             self._units.append(_Unit(name, sub, shard, ids))
         self._root = self._units[0] if root_ids else None
@@ -192,7 +193,7 @@ class ZeroStage3(ShardedDataParallel):
         """Gather u again when the gradient of its output arrives: its backward is next."""
         if not torch.is_grad_enabled():
             return
-        tensors = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         for t in tensors:
             t.register_hook(self._make_pre_backward(u))
 
@@ -239,12 +240,13 @@ class ZeroStage3(ShardedDataParallel):
                 if p.grad is None:
                     out.zero_()  # no gradient in this backward: contribute zeros
                 else:
-                    torch.mul(p.grad.reshape(-1), 1.0 / self.world_size, out=out)
+                    torch.mul(p.grad.reshape(-1), 1.0 / self.dp_size, out=out)
                     p.grad = None
             u.staging = staging
             u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
-            u.reduce_handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True,
-                                                         algorithm=self.collectives)
+            handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True,
+                                                algorithm=self.collectives)
+            u.reduce_handle = self._across_replicas(handle, u.reduced)
         self._inflight.append(u)
         if u is not self._root:
             self._reshard(u)
@@ -280,14 +282,3 @@ class ZeroStage3(ShardedDataParallel):
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()
-
-
-def _tensors_in(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from _tensors_in(x)

@@ -1,0 +1,52 @@
+"""The second level of hybrid sharding: each reduced shard summed across the replicas.
+
+With a mesh (minidist.init_mesh), a gradient is reduce_scattered within the shard group
+(one host), which leaves each rank the sum over its host of 1/S of the gradient; that
+piece is then all_reduced across the replicate group (one rank per host), which makes it
+the sum over every rank. Only that all_reduce crosses hosts: 1/S of the bytes.
+
+The all_reduce can start only once the reduce_scatter has finished, so it is chained
+behind it; chained reductions start strictly in issue order (a later bucket's never
+before an earlier one's), so every rank of a replicate group issues them alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidist import comm
+
+
+class ReplicaReduce:
+    """Sum reduced shards over `group` (the mesh's replicate group), each after its reduce_scatter."""
+
+    def __init__(self, group, algorithm: str = "auto"):
+        self.group, self.algorithm = group, algorithm
+        self._queue: list[_ThenAcrossReplicas] = []
+
+    def after(self, handle, tensor: torch.Tensor) -> "_ThenAcrossReplicas":
+        """A handle whose wait() returns once `handle` and the all_reduce of `tensor` are done."""
+        chained = _ThenAcrossReplicas(self, handle, tensor)
+        self._queue.append(chained)
+        return chained
+
+    def _start_up_to(self, target: "_ThenAcrossReplicas") -> None:
+        while self._queue:
+            head = self._queue.pop(0)
+            head.first.wait()
+            head.second = comm.all_reduce(head.tensor, group=self.group, async_op=True, algorithm=self.algorithm)
+            if head is target:
+                return
+
+
+class _ThenAcrossReplicas:
+    def __init__(self, owner: ReplicaReduce, first, tensor: torch.Tensor):
+        self.owner, self.first, self.tensor, self.second = owner, first, tensor, None
+
+    def wait(self) -> None:
+        if self.second is None:
+            self.owner._start_up_to(self)
+        self.second.wait()
+
+    def is_completed(self) -> bool:
+        return self.second is not None and self.second.is_completed()
