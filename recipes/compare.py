@@ -30,11 +30,13 @@ from minidist.compare.launch_compare import launch
 
 
 def strategy_options(name: str, compare_cfg):
-    """configs/strategy/NAME.yaml (composed, so its defaults apply), then compare.bucket_cap_mb
-    and compare.overrides.NAME on top."""
+    """configs/strategy/NAME.yaml (composed, so its defaults apply), then compare.bucket_cap_mb,
+    compare.shard_size and compare.overrides.NAME on top."""
     options = compose(config_name="train", overrides=[f"strategy={name}"]).strategy
     if compare_cfg.bucket_cap_mb is not None and "bucket_cap_mb" in options:
         options.bucket_cap_mb = float(compare_cfg.bucket_cap_mb)
+    if compare_cfg.get("shard_size") is not None and "shard_size" in options:
+        options.shard_size = int(compare_cfg.shard_size)
     return OmegaConf.merge(options, compare_cfg.overrides.get(name, {}))
 
 

@@ -205,6 +205,11 @@ def test_references_and_theory():
     assert reference_for("native_ddp", names, refs) is None
     assert theoretical_bytes("zero3", psi=1000, n=4) == {"reduce_scatter": 3000.0, "all_gather": 6000.0}
     assert theoretical_bytes("ddp", psi=1000, n=1) == {}
+    # hybrid on 2 replicas x 2 shard ranks: ZeRO within the pair, 2 (R-1)/R x 4 psi / S across
+    assert theoretical_bytes("hsdp3", psi=1000, n=4, shard=2) == {"reduce_scatter": 2000.0, "all_gather": 4000.0,
+                                                                   "all_reduce": 2000.0}
+    assert theoretical_bytes("hsdp2", psi=1000, n=4, shard=4) == {"reduce_scatter": 3000.0, "all_gather": 3000.0}
+    assert theoretical_bytes("hsdp3", psi=1000, n=4) == {}  # the shard size is needed
     import torch
 
     assert max_state_difference({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 0.5, -1.0])}) == 1.0

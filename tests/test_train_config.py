@@ -21,6 +21,8 @@ CASES = [
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),
     (["data=cifar10", "model=resnet18", "data.root=/no/such/root"], 2, r"data.root='/no/such/root' has no cifar10"),
     (["trainer.resume=/no/such/ckpt"], 2, r"trainer.resume='/no/such/ckpt' is not a folder"),
+    (["strategy=hsdp3", "strategy.shard_size=3"], 4, r"strategy.shard_size=3: .* does not split into shard groups of 3"),
+    (["strategy.comm_hook=hierarchical", "strategy.shard_size=two"], 4, r"strategy.shard_size='two' must be a whole"),
 ]
 
 

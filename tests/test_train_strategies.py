@@ -15,17 +15,24 @@ from omegaconf import OmegaConf
 from train_cases import assert_same, load_everything, tiny, train_on_rank
 
 
+HYBRID = ("hsdp2", "hsdp3", "native_hsdp")  # on a 2x2 mesh: 4 ranks, shard groups of 2
+
+
 def world_for(strategy: str) -> int:
-    return 1 if strategy == "single" else 2
+    return 1 if strategy == "single" else 4 if strategy in HYBRID else 2
+
+
+def mesh_options(strategy: str) -> tuple[str, ...]:
+    return ("strategy.shard_size=2",) if strategy in HYBRID else ()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     pool = ranks(world_for(strategy))
-    cfg = tiny(strategy=strategy)
+    cfg = tiny(*mesh_options(strategy), strategy=strategy)
     straight = pool.run(train_on_rank, cfg, str(tmp_path / "straight"), timeout_s=180)
-    first = pool.run(train_on_rank, tiny("trainer.stop_at=10", strategy=strategy), str(tmp_path / "split"),
-                     timeout_s=180)
+    first = pool.run(train_on_rank, tiny("trainer.stop_at=10", *mesh_options(strategy), strategy=strategy),
+                     str(tmp_path / "split"), timeout_s=180)
     ckpts = list_checkpoints(tmp_path / "split")
     assert [c.name for c in ckpts] == ["step_00000010"]
     assert first[0]["step"] == 10
@@ -44,6 +51,39 @@ def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     bare.load_state_dict(full)  # strict: same keys, same shapes
     assert list(full) == list(bare.state_dict())
     assert_same(full, {k: v.cpu() for k, v in second[0]["full_state"].items()})
+
+
+@pytest.mark.parametrize("strategy", ["hsdp2", "hsdp3"])
+def test_hybrid_checkpoint_is_written_once_per_shard_group_and_resumes_at_another_mesh(strategy, ranks, tmp_path):
+    """At 4 ranks as 2x2 only the first replica writes its 2 shards; the run resumes from them as
+    1x4 and 4x1 (shards re-cut) and ends as the 2x2 run does (within rounding: other sums)."""
+    pool = ranks(4)
+    straight = pool.run(train_on_rank, tiny("strategy.shard_size=2", strategy=strategy), str(tmp_path / "straight"),
+                        timeout_s=180)
+    pool.run(train_on_rank, tiny("trainer.stop_at=10", "strategy.shard_size=2", strategy=strategy),
+             str(tmp_path / "split"), timeout_s=180)
+    ckpt = list_checkpoints(tmp_path / "split")[0]
+    assert sorted(f.name for f in ckpt.glob("shard_rank*.pt")) == ["shard_rank00000.pt", "shard_rank00001.pt"]
+    assert read_meta(ckpt)["shards"] == 2
+    for shard_size in (4, 1):
+        run = tmp_path / f"resumed_as_{4 // shard_size}x{shard_size}"
+        out = pool.run(train_on_rank, tiny(f"strategy.shard_size={shard_size}", strategy=strategy), str(run),
+                       str(ckpt), timeout_s=180)
+        assert out[0]["step"] == 20
+        for key, ref in straight[0]["full_state"].items():
+            diff = (out[0]["full_state"][key] - ref).abs().max().item()
+            assert diff <= 1e-5 * max(1.0, ref.abs().max().item()), f"{shard_size}: {key} differs by {diff}"
+
+
+def test_hierarchical_all_reduce_in_the_trainer_trains_like_ddp(ranks, tmp_path):
+    """strategy.comm_hook=hierarchical on a 2x2 mesh: the same model as plain ddp, within rounding."""
+    finals = {}
+    for name, extra in (("flat", ()), ("hierarchical", ("strategy.comm_hook=hierarchical", "strategy.shard_size=2"))):
+        out = ranks(4).run(train_on_rank, tiny(*extra, strategy="ddp"), str(tmp_path / name), timeout_s=180)
+        finals[name] = out[0]["full_state"]
+    for key, ref in finals["flat"].items():
+        diff = (finals["hierarchical"][key] - ref).abs().max().item()
+        assert diff <= 1e-5 * max(1.0, ref.abs().max().item()), f"{key}: {diff}"
 
 
 def test_strategies_train_alike(ranks, tmp_path):

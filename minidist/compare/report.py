@@ -5,7 +5,8 @@
     failed = regressions(rows)                     # minidist strategies off their reference
 
 A minidist strategy is checked against its reference (compare.references: ddp ->
-native_ddp, zero1 -> native_zero1, zero2 -> ds_zero2, zero3 -> native_fsdp). When that
+native_ddp, zero1 -> native_zero1, zero2 -> ds_zero2, zero3 -> native_fsdp, hsdp3 -> native_hsdp,
+hsdp2 -> native_ddp). When that
 reference is not in the run, native_ddp stands in when present (every strategy trains the
 same model on the same data, so all should agree). The check: the largest absolute
 difference of any final parameter or buffer <= compare.tolerance.
@@ -84,7 +85,7 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             "model_state_bytes": state,
             "peak_bytes": max(m["peak_bytes"] for m in memory),
             "bytes_per_step": measured,
-            "theory_bytes_per_step": theoretical_bytes(name, psi, n),
+            "theory_bytes_per_step": theoretical_bytes(name, psi, n, shard=results.get("shard_sizes", {}).get(name)),
         }
     for name, row in rows.items():
         ref = row["reference"]

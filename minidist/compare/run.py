@@ -134,13 +134,16 @@ def _compare(cfg, ctx) -> dict | None:
     timelines = {}
     for n in names:
         comm.barrier()
-        timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size, replicas[n].model)
+        timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size, replicas[n].model,
+                                   traced=replicas[n].strategy.traces_comm,
+                                   op_group_sizes=getattr(replicas[n].strategy, "op_group_sizes", None))
     if bool(c.timeline) and "ddp" in names:
         extra = Replica(NO_OVERLAP, OmegaConf.merge(options["ddp"], {"overlap": False}), cfg, info, ctx, total)
         for _ in range(2):  # warm: the first steps allocate buckets and optimizer state
             extra.step(micro)
         comm.barrier()
-        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size, extra.model)
+        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size, extra.model,
+                                            traced=extra.strategy.traces_comm)
         del extra
 
     micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
@@ -161,5 +164,7 @@ def _compare(cfg, ctx) -> dict | None:
         "timelines": {n: {r: g["timelines"][n] for r, g in enumerate(gathered)} for n in timelines},
         "memory": {n: [g["memory"][n] for g in gathered] for n in names},
         "finals": finals,
+        # hybrid strategies: the shard group's size, which their theory of bytes depends on
+        "shard_sizes": {n: replicas[n].strategy.shard_size for n in names if replicas[n].strategy.shard_size},
         "wall_s": time.perf_counter() - started,
     }

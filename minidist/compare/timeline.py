@@ -158,9 +158,13 @@ def settle(model) -> None:
         wait()
 
 
-def record_step(run, world_size: int, model=None) -> dict:
+def record_step(run, world_size: int, model=None, traced: bool = False, op_group_sizes: dict | None = None) -> dict:
     """Run `run()` (one optimizer step) under the profiler and return this rank's timeline.
-    `model`: the wrapped model, whose communication still in flight is waited for (see settle)."""
+    `model`: the wrapped model, whose communication still in flight is waited for (see settle).
+    `traced`: all of the step's communication goes through minidist.comm (our strategies): its
+    bytes are then counted from the CommTracer, which knows each call's group (the profiler
+    does not, and a mesh's subgroups are smaller than the world). Otherwise `op_group_sizes`
+    says an op's group size where it is not the world's (native HSDP's)."""
     main = threading.get_ident()
     ring_spans: list[tuple[str, float, float, bool]] = []
 
@@ -187,11 +191,14 @@ def record_step(run, world_size: int, model=None) -> dict:
     anchor_us = next(e["ts"] for e in events if e["name"] == ANCHOR)
     ring_records = [r for r in tracer.records if r.algorithm == "ring"]
     return analyse(events, anchor_us, [(n, a - anchor, b - anchor, inline) for n, a, b, inline in ring_spans],
-                   ring_records, world_size)
+                   ring_records, world_size, tracer.records if traced else None, op_group_sizes or {})
 
 
-def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, world_size: int) -> dict:
-    """Phases, compute and communication intervals, bytes per op and the hidden fraction."""
+def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, world_size: int,
+            traced_records=None, op_group_sizes: dict | None = None) -> dict:
+    """Phases, compute and communication intervals, bytes per op and the hidden fraction.
+    Bytes come from `traced_records` (every minidist.comm call) when given, else from the
+    profiler's c10d events (counted at the world size) plus our ring's records."""
     def span(e):
         return (e["ts"] - anchor_us) / 1e6, (e["ts"] + e["dur"] - anchor_us) / 1e6
 
@@ -209,15 +216,18 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, worl
                             and e["name"].startswith("autograd::engine::evaluate_function")])
 
     per_op: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
-    for e in events:
+    from_tracer = ring_records if traced_records is None else traced_records
+    for e in events if traced_records is None else []:
         found = call_payload(e["name"], e.get("args", {}))
         if found:
             op, nbytes = found
             row = per_op[op]
             row["calls"] += 1
             row["bytes"] += nbytes
-            row["sent_bytes"] += comm.ring_bytes_sent(op, nbytes, world_size)
-    for r in ring_records:
+            row["sent_bytes"] += comm.ring_bytes_sent(op, nbytes, (op_group_sizes or {}).get(op, world_size))
+    for r in from_tracer:
+        if r.op in ("barrier", "all_gather_object", "recv", "irecv"):
+            continue  # nothing sent (or, for objects, not the training's bytes)
         row = per_op[r.op]
         row["calls"] += 1
         row["bytes"] += r.bytes

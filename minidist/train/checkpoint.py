@@ -148,7 +148,7 @@ def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
 def load_checkpoint(ckpt: Path, strategy) -> dict:
     """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
     meta = read_meta(ckpt)
-    strategy.load(Path(ckpt), meta["world_size"])
+    strategy.load(Path(ckpt), meta.get("shards", meta["world_size"]))
     load_rank_state(torch.load(rank_path(ckpt, strategy.ctx.rank), weights_only=False), strategy.net)
     return meta
 
@@ -163,7 +163,7 @@ def consolidate(ckpt: Path) -> dict:
     if not meta["sharded"]:
         return torch.load(ckpt / "model.pt", map_location="cpu")
     shards = [torch.load(shard_path(ckpt, r), map_location="cpu", weights_only=False)
-              for r in range(meta["world_size"])]
+              for r in range(meta.get("shards", meta["world_size"]))]
     layout = torch.load(ckpt / "layout.pt", weights_only=False)
     params = {}
     for name, shape in shards[0]["shapes"].items():

@@ -89,6 +89,23 @@ def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
 
 
+def check_mesh(strategy_cfg, world_size: int) -> None:
+    """Hybrid strategies and comm_hook=hierarchical: strategy.shard_size must split the world."""
+    from minidist.mesh import mesh_shape
+
+    hybrid = strategy_cfg.name in ("hsdp2", "hsdp3", "native_hsdp") or \
+        str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
+    shard = strategy_cfg.get("shard_size")
+    if not hybrid or shard is None:
+        return  # null: the ranks of one host, known only once launched (init_mesh checks it then)
+    if not isinstance(shard, int) or isinstance(shard, bool):
+        raise ConfigError(f"strategy.shard_size={shard!r} must be a whole number of ranks (or null: one host)")
+    try:
+        mesh_shape(world_size, None, shard, None)
+    except ValueError as e:
+        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+
+
 def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     """Raise ConfigError for the first problem found; return the checkpoint to resume from (or None)."""
     t = cfg.trainer
@@ -97,6 +114,7 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if cfg.strategy.name == "single" and world_size != 1:
         raise ConfigError(f"strategy=single runs on one rank, but {world_size} were asked for: set launcher.nproc=1, "
                           "or use a data-parallel strategy (strategy=ddp)")
+    check_mesh(cfg.strategy, world_size)
     for key in ("max_steps", "micro_batch_size", "grad_accum", "keep_last", "log_every"):
         _positive(cfg, key)
     for key in ("eval_every", "ckpt_every", "eval_batches"):

@@ -150,7 +150,7 @@ class DeepSpeedZero(Strategy):
             torch.save(model, directory / "model.pt")  # for `python -m minidist.checkpoint consolidate`
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
 
-    def load(self, directory, saved_world_size):
+    def load(self, directory, saved_shards):
         path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag="state",
                                               load_lr_scheduler_states=False)
         if path is None:

@@ -6,7 +6,7 @@
     strategy.backward(loss)                       # loss.backward(), or the engine's (DeepSpeed)
     strategy.clip_grad_norm_(1.0)                 # the global norm, whatever is sharded
     strategy.optimizer_step(1.0, scaler)          # unscale, clip, step, zero_grad; returns the norm
-    strategy.save(directory) / strategy.load(directory, saved_world_size)
+    strategy.save(directory) / strategy.load(directory, saved_shards)
     strategy.full_state_dict()                    # rank 0: the plain state_dict of net
     strategy.memory_report()                      # bytes on this rank, from live storages
 
@@ -14,9 +14,11 @@
 | single       | no wrapper, one rank                                        | full       |
 | ddp          | minidist.DataParallel                                       | full       |
 | zero1/2/3    | minidist.ShardedDataParallel(stage=k)                       | sharded    |
+| hsdp2/3      | ShardedDataParallel(stage=k, mesh=init_mesh(shard=shard_size)) | sharded, once per shard group |
 | native_ddp   | torch DistributedDataParallel                               | full       |
 | native_zero1 | DistributedDataParallel + ZeroRedundancyOptimizer           | full       |
 | native_fsdp  | fully_shard per unit (the units our stage 3 would pick), root | full     |
+| native_hsdp  | the same on a 2-D DeviceMesh (replicate x shard_size): FSDP2's HSDP | full   |
 | ds_zero1/2/3 | DeepSpeed's ZeRO engine (optional: minidist/train/deepspeed_strategy.py) | per rank |
 
 "full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded":
@@ -35,8 +37,8 @@ from torch import nn
 from minidist.memory import measure, optimizer_tensors
 from minidist.train.errors import ConfigError
 
-OURS = ("single", "ddp", "zero1", "zero2", "zero3")
-NATIVE = ("native_ddp", "native_zero1", "native_fsdp")
+OURS = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
+NATIVE = ("native_ddp", "native_zero1", "native_fsdp", "native_hsdp")
 DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
 STRATEGIES = OURS + NATIVE + DEEPSPEED
 
@@ -52,6 +54,7 @@ class Strategy:
     name = ""
     sharded_checkpoint = False
     traces_comm = True  # communication goes through minidist.comm, so CommTracer sees it
+    shard_size: int | None = None  # hybrid strategies: the size S of their shard groups
 
     def __init__(self, cfg, ctx):
         self.cfg, self.ctx = cfg, ctx
@@ -117,7 +120,7 @@ class Strategy:
             torch.save(model, directory / "model.pt")
             torch.save(optim, directory / "optimizer.pt")
 
-    def load(self, directory: Path, saved_world_size: int) -> None:
+    def load(self, directory: Path, saved_shards: int) -> None:
         """Restore what `save` wrote (every rank reads the full files)."""
         self.load_full_state_dict(torch.load(directory / "model.pt", map_location=self.ctx.device))
         self.load_optimizer_state_dict(torch.load(directory / "optimizer.pt", map_location=self.ctx.device,
@@ -169,22 +172,32 @@ class OursDDP(Strategy):
                              find_unused_parameters=bool(self.cfg.find_unused_parameters),
                              broadcast_buffers=bool(self.cfg.broadcast_buffers),
                              overlap=bool(self.cfg.get("overlap", True)),
-                             comm_hook=str(self.cfg.get("comm_hook", "allreduce")))
+                             comm_hook=self._comm_hook())
         return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def _comm_hook(self):
+        hook = str(self.cfg.get("comm_hook", "allreduce"))
+        if hook == "hierarchical":  # two-level all_reduce on a mesh of strategy.shard_size
+            from minidist.parallel import HierarchicalAllReduce
+
+            return HierarchicalAllReduce(build_mesh(self.cfg), algorithm=str(self.cfg.get("collectives", "auto")))
+        return hook
 
     def memory_report(self):
         return self.model.memory_report(self.optimizer)
 
 
 class OursZero(Strategy):
-    """ShardedDataParallel: each rank checkpoints its own shard (loadable at any world size)."""
+    """ShardedDataParallel: each rank checkpoints its own shard (loadable at any world size).
+    hsdp2/hsdp3: the same on a mesh of shard groups of `shard_size` ranks (null: one per host);
+    only the first replica writes the shards, the other replicas hold the same ones."""
 
     sharded_checkpoint = True
 
-    def __init__(self, cfg, ctx, stage: int):
+    def __init__(self, cfg, ctx, stage: int, hybrid: bool = False):
         super().__init__(cfg, ctx)
-        self.stage = stage
-        self.name = f"zero{stage}"
+        self.stage, self.hybrid = stage, hybrid
+        self.name = f"{'hsdp' if hybrid else 'zero'}{stage}"
 
     def _wrap(self, net, optim_cls, optim_kwargs):
         from minidist import ShardedDataParallel
@@ -193,8 +206,19 @@ class OursZero(Strategy):
             {"bucket_cap_mb": float(self.cfg.bucket_cap_mb)}
         kwargs["broadcast_buffers"] = bool(self.cfg.get("broadcast_buffers", True))
         kwargs["collectives"] = str(self.cfg.get("collectives", "auto"))
+        if self.hybrid:
+            kwargs["mesh"] = build_mesh(self.cfg)
         model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=self.stage, **kwargs)
         return model, model.optimizer
+
+    @property
+    def shard_size(self) -> int | None:
+        return self.model.mesh.shard if self.model is not None and self.model.mesh is not None else None
+
+    @property
+    def checkpoint_shards(self) -> int:
+        """How many shard files a checkpoint holds: the shard group's size (the world without a mesh)."""
+        return self.model.world_size
 
     def clip_grad_norm_(self, max_norm):
         return self.model.clip_grad_norm_(max_norm)
@@ -206,20 +230,34 @@ class OursZero(Strategy):
         raise NotImplementedError("ZeRO checkpoints are sharded: see save/load")
 
     def save(self, directory):
-        torch.save(self.model.sharded_state_dict(), shard_path(directory, self.ctx.rank))
+        state = self.model.sharded_state_dict()  # a collective within the shard group: every rank calls it
+        mesh = self.model.mesh
+        if mesh is None or mesh.replica == 0:  # one copy of each shard, whatever the number of replicas
+            torch.save(state, shard_path(directory, self.model.rank))
         if self.ctx.rank == 0:
             torch.save(state_dict_layout(self.net), directory / "layout.pt")
 
-    def load(self, directory, saved_world_size):
-        if saved_world_size == self.ctx.world_size:
-            state = torch.load(shard_path(directory, self.ctx.rank), map_location="cpu", weights_only=False)
-        else:  # another world size: every saved shard, re-cut for this one
+    def load(self, directory, saved_shards):
+        if saved_shards == self.model.world_size:
+            state = torch.load(shard_path(directory, self.model.rank), map_location="cpu", weights_only=False)
+        else:  # another shard count (world size or mesh): every saved shard, re-cut for this one
             state = [torch.load(shard_path(directory, r), map_location="cpu", weights_only=False)
-                     for r in range(saved_world_size)]
+                     for r in range(saved_shards)]
         self.model.load_sharded_state_dict(state)
 
     def memory_report(self):
         return self.model.memory_report()
+
+
+def build_mesh(cfg):
+    """The mesh of strategy.shard_size (null: the ranks of one host, as the launcher says)."""
+    from minidist.mesh import init_mesh
+
+    shard = cfg.get("shard_size")
+    try:
+        return init_mesh(shard=None if shard is None else int(shard))
+    except ValueError as e:
+        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
 
 
 def shard_path(directory: Path, rank: int) -> Path:
@@ -291,17 +329,22 @@ class NativeZero1(NativeDDP):
 class NativeFSDP(Strategy):
     name = "native_fsdp"
     traces_comm = False
+    op_group_sizes: dict = {}  # the profiler's c10d events are counted at the world size unless named here
 
     def _wrap(self, net, optim_cls, optim_kwargs):
         from torch.distributed.fsdp import fully_shard
 
         from minidist.parallel.zero3 import plan_units
 
+        kwargs = self._mesh_kwargs()
         trainable = [p for p in net.parameters() if p.requires_grad]
         for _, unit in plan_units(net, trainable, None, int(self.cfg.min_unit_params)):
-            fully_shard(unit)
-        model = fully_shard(net)
+            fully_shard(unit, **kwargs)
+        model = fully_shard(net, **kwargs)
         return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def _mesh_kwargs(self) -> dict:
+        return {}  # fully_shard's default: shard over the whole world
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -343,6 +386,29 @@ class NativeFSDP(Strategy):
         set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
+class NativeHSDP(NativeFSDP):
+    """fully_shard on a 2-D DeviceMesh (replicate x shard): FSDP2's HSDP, the reference for hsdp3."""
+
+    name = "native_hsdp"
+
+    def _mesh_kwargs(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from minidist.mesh import mesh_shape, ranks_per_host
+
+        shard = self.cfg.get("shard_size")
+        try:
+            R, S = mesh_shape(self.ctx.world_size, None, None if shard is None else int(shard), ranks_per_host())
+        except ValueError as e:
+            raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+        device = "cuda" if self.ctx.device.type == "cuda" else "cpu"
+        self.shard_size = S
+        # The profiler's c10d events do not say their group: HSDP all_reduces across the R
+        # replicas and gathers / reduce_scatters within the S shard ranks.
+        self.op_group_sizes = {"all_reduce": R, "all_gather": S, "reduce_scatter": S}
+        return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
+
+
 def split_variant(variant: str) -> tuple[str, str]:
     """A benchmark variant -> (strategy name, collectives): "zero2_backend" is stage 2 with the
     backend's reduce_scatter / all_gather, "zero2" stage 2 with collectives="auto"."""
@@ -357,7 +423,7 @@ def strategy_options(name: str, **overrides):
     options = {"name": name, "bucket_cap_mb": 25.0, "gradient_as_bucket_view": False,
                "find_unused_parameters": False, "broadcast_buffers": True, "min_unit_params": 100_000,
                "collectives": "auto", "overlap": True, "comm_hook": "allreduce", "first_bucket_mb": None,
-               "last_bucket_mb": None, "bucket_closing": "reach"}
+               "last_bucket_mb": None, "bucket_closing": "reach", "shard_size": None}
     options.update(overrides)
     return OmegaConf.create(options)
 
@@ -367,11 +433,11 @@ def build_strategy(cfg, ctx) -> Strategy:
     name = cfg.name
     if name not in STRATEGIES:
         raise ConfigError(f"strategy={name!r} is unknown: choose one of {list(STRATEGIES)}")
-    if name.startswith("zero"):
-        return OursZero(cfg, ctx, int(name[-1]))
+    if name.startswith(("zero", "hsdp")):
+        return OursZero(cfg, ctx, int(name[-1]), hybrid=name.startswith("hsdp"))
     if name.startswith("ds_zero"):
         from minidist.train.deepspeed_strategy import DeepSpeedZero
 
         return DeepSpeedZero(cfg, ctx, int(name[-1]))
     return {"single": Single, "ddp": OursDDP, "native_ddp": NativeDDP, "native_zero1": NativeZero1,
-            "native_fsdp": NativeFSDP}[name](cfg, ctx)
+            "native_fsdp": NativeFSDP, "native_hsdp": NativeHSDP}[name](cfg, ctx)

@@ -223,7 +223,8 @@ class Trainer:
         meta = {"strategy": self.strategy.name, "world_size": self.ctx.world_size, "sharded":
                 self.strategy.sharded_checkpoint, "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "data": self.sampler.state_dict()}
+                "data": self.sampler.state_dict(),
+                "shards": getattr(self.strategy, "checkpoint_shards", self.ctx.world_size)}  # files of a sharded one
         path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last))
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
