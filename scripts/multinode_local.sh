@@ -2,125 +2,114 @@
 # Multi-node training on emulated hosts: HOSTS Linux network namespaces on this machine, each with
 # its own IP address (10.77.0.1, .2, ...) on a veth pair plugged into one bridge, each running
 # `torchrun --nnodes HOSTS --nproc_per_node NPROC_PER_HOST` with a c10d rendezvous at host 1's address.
-# For every strategy in STRATEGIES it trains a short run, then checks that every rank ends with the
-# same parameters, equal (bitwise) to a single-host run of HOSTS x NPROC_PER_HOST ranks.
+# It trains a short run of every strategy in STRATEGIES (one Hydra sweep: torchrun starts the ranks
+# once), then checks that every rank ends with the same parameters, equal (bitwise) to a
+# single-host run of HOSTS x NPROC_PER_HOST ranks. Hybrid strategies (hsdp2, hsdp3,
+# ddp_hierarchical) find their shard groups from the host layout (one per host); their
+# single-host run gets the same mesh through strategy.shard_size. Then every strategy's final model is checked against the single-host
+# REFERENCE run (plain ddp) within TOLERANCE (relative to the largest parameter).
 #
 #   sudo scripts/multinode_local.sh                       # 2 hosts x 2 ranks, ddp and zero2
+#   sudo STRATEGIES="ddp hsdp2 hsdp3 ddp_hierarchical" scripts/multinode_local.sh
 #   sudo HOSTS=3 STRATEGIES="zero3" scripts/multinode_local.sh trainer.max_steps=30
 #
 # Arguments are trainer overrides for every run. Needs root (ip netns); without it, it says so and
 # exits 3. Namespaces, links and processes are removed whatever happens (trap on EXIT).
 # Environment: HOSTS (2), NPROC_PER_HOST (2), STRATEGIES ("ddp zero2"), OUT (a new temp folder),
-# PREFIX (md: names of namespaces and links), TIMEOUT_S per run (300), PYTHON (.venv/bin/python).
+# PREFIX (md: names of namespaces and links), TIMEOUT_S per sweep (300), PYTHON (.venv/bin/python),
+# REFERENCE (ddp), TOLERANCE (1e-6), TWINS ("all": the strategies that also get a single-host twin
+# run for the bitwise check; others are only checked against REFERENCE, which must be a twin).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${HOSTS:-2}
 NPROC_PER_HOST=${NPROC_PER_HOST:-2}
 STRATEGIES=${STRATEGIES:-"ddp zero2"}
+REFERENCE=${REFERENCE:-ddp}
+TOLERANCE=${TOLERANCE:-1e-6}
+TWINS=${TWINS:-all}
 PREFIX=${PREFIX:-md}
 TIMEOUT_S=${TIMEOUT_S:-300}
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-multinode.XXXXXX)}
-SUBNET=10.77.0
-PORT=29400
-BRIDGE=${PREFIX}br0
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-
-die() { echo "multinode_local: $*" >&2; exit "${2:-1}"; }
-
-if [ "$(id -u)" != 0 ] || ! ip netns add "${PREFIX}probe" 2>/dev/null; then
-    die "cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" 3
+if [ "$(id -u)" != 0 ]; then  # before anything is read: this may run from stdin, as a user who cannot read the checkout
+    echo "multinode_local: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
+    exit 3
 fi
-ip netns del "${PREFIX}probe"
+source scripts/lib/netns.sh
 
-cleanup() {
-    for i in $(seq 1 "$HOSTS"); do
-        ns=${PREFIX}h$i
-        if ip netns list | grep -qw "$ns"; then
-            pids=$(ip netns pids "$ns" 2>/dev/null)
-            [ -n "$pids" ] && kill -9 $pids 2>/dev/null
-            ip netns del "$ns" 2>/dev/null
-        fi
-        ip link del "${PREFIX}v$i" 2>/dev/null
-    done
-    ip link del "$BRIDGE" 2>/dev/null
-    return 0
-}
-trap cleanup EXIT
+netns_require_root "$0"
+trap netns_cleanup EXIT
 trap 'exit 130' INT TERM
-cleanup  # leftovers of an earlier run that was killed with -9
-
-ip link add "$BRIDGE" type bridge && ip link set "$BRIDGE" up || die "cannot create bridge $BRIDGE"
-for i in $(seq 1 "$HOSTS"); do
-    ns=${PREFIX}h$i
-    ip netns add "$ns"
-    ip link add "${PREFIX}v$i" type veth peer name "${PREFIX}p$i"
-    ip link set "${PREFIX}p$i" netns "$ns"
-    ip link set "${PREFIX}v$i" master "$BRIDGE" up
-    ip netns exec "$ns" ip link set lo up
-    ip netns exec "$ns" ip link set "${PREFIX}p$i" name eth0
-    ip netns exec "$ns" ip addr add "$SUBNET.$i/24" dev eth0
-    ip netns exec "$ns" ip link set eth0 up
-done
-for i in $(seq 2 "$HOSTS"); do  # every host has a route to host 1 before anything starts
-    ip netns exec "${PREFIX}h$i" ip -4 route get "$SUBNET.1" >/dev/null 2>&1 || die "host $i has no route to host 1"
-done
+netns_cleanup  # leftovers of an earlier run that was killed with -9
+netns_up
 echo "multinode_local: $HOSTS hosts ($SUBNET.1-$HOSTS) x $NPROC_PER_HOST ranks; runs in $OUT"
 
 if [ $# -eq 0 ]; then  # a short run unless told otherwise
     set -- trainer.max_steps=20 trainer.micro_batch_size=8 trainer.eval_batches=2 trainer.ckpt_every=0 \
         trainer.log_every=5 data.max_bytes=400000
 fi
-TORCHRUN=(-m torch.distributed.run)
+# One Hydra sweep over STRATEGIES on the emulated hosts (torchrun starts the ranks once; job j is
+# the j-th strategy, in $OUT/multi/j), and one over TWINS on a single host of as many ranks. The
+# twin sweep gets the hybrid strategies' mesh through strategy.shard_size (ignored by the others).
+list() { echo "$*" | tr ' ' ','; }
+[ "$TWINS" = all ] && TWINS=$STRATEGIES
+common=("trainer.progress=false" "$@")
 status=0
-for strategy in $STRATEGIES; do
-    multi=$OUT/$strategy/multi
-    single=$OUT/$strategy/single
-    common=("strategy=$strategy" "trainer.progress=false" "$@")
-    pids=()
-    for i in $(seq 1 "$HOSTS"); do
-        # Each host: its own address for torchrun's store (--local-addr) and for gloo (its eth0).
-        # Host 1 serves the rendezvous (is_host: the namespaces share one hostname, so torchrun
-        # cannot tell from names which of them owns the endpoint's address).
-        is_host=$([ "$i" = 1 ] && echo 1 || echo 0)
-        ip netns exec "${PREFIX}h$i" env GLOO_SOCKET_IFNAME=eth0 timeout -k 10 "$TIMEOUT_S" \
-            "$PYTHON" "${TORCHRUN[@]}" --nnodes "$HOSTS" --nproc_per_node "$NPROC_PER_HOST" \
-            --rdzv-backend c10d --rdzv-endpoint "$SUBNET.1:$PORT" --rdzv-id "$strategy" --local-addr "$SUBNET.$i" \
-            --rdzv-conf "is_host=$is_host" \
-            recipes/train.py "${common[@]}" "hydra.run.dir=$multi" > "$OUT/$strategy.host$i.log" 2>&1 &
-        pids+=($!)
-    done
-    failed=0
-    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-    if [ "$failed" != 0 ]; then
-        echo "multinode_local: $strategy on $HOSTS hosts failed; logs: $OUT/$strategy.host*.log" >&2
-        tail -n 20 "$OUT/$strategy".host*.log >&2
-        status=1
-        continue
-    fi
-    timeout -k 10 "$TIMEOUT_S" "$PYTHON" "${TORCHRUN[@]}" --standalone --nproc_per_node $((HOSTS * NPROC_PER_HOST)) \
-        recipes/train.py "${common[@]}" "hydra.run.dir=$single" > "$OUT/$strategy.single.log" 2>&1 \
-        || { echo "multinode_local: the single-host run of $strategy failed: $OUT/$strategy.single.log" >&2; status=1; continue; }
-    "$PYTHON" - "$multi" "$single" "$strategy" $((HOSTS * NPROC_PER_HOST)) <<'EOF' || status=1
-import re, sys
+pids=()
+for i in $(seq 1 "$HOSTS"); do
+    netns_torchrun "$i" multi "$NPROC_PER_HOST" recipes/train.py -m "strategy=$(list $STRATEGIES)" "${common[@]}" \
+        "hydra.sweep.dir=$OUT/multi" > "$OUT/multi.host$i.log" 2>&1 &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+if [ "$status" != 0 ]; then
+    tail -n 20 "$OUT"/multi.host*.log >&2
+    die "the sweep on $HOSTS hosts failed; logs: $OUT/multi.host*.log"
+fi
+timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node $((HOSTS * NPROC_PER_HOST)) \
+    recipes/train.py -m "strategy=$(list $TWINS)" "++strategy.shard_size=$NPROC_PER_HOST" "${common[@]}" \
+    "hydra.sweep.dir=$OUT/single" > "$OUT/single.log" 2>&1 \
+    || { tail -n 20 "$OUT/single.log" >&2; die "the single-host sweep failed: $OUT/single.log"; }
+
+# Bitwise: every rank of every twin identical and equal to the single host's; every strategy's
+# model within TOLERANCE of REFERENCE's on the single host (other sums: equal within rounding).
+"$PYTHON" - "$OUT" $((HOSTS * NPROC_PER_HOST)) "$REFERENCE" "$TOLERANCE" "$STRATEGIES" "$TWINS" <<'EOF'
+import re
+import sys
 from pathlib import Path
 
-multi, single, strategy, world = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+from minidist.train.checkpoint import consolidate, list_checkpoints
+
+out, world, reference, tolerance = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+strategies, twins = sys.argv[5].split(), sys.argv[6].split()
+multi = {s: out / "multi" / str(j) for j, s in enumerate(strategies)}
+single = {s: out / "single" / str(j) for j, s in enumerate(twins)}
+
 
 def digests(run):
-    out = {}
-    for r in range(world):
-        found = re.findall(r"state_digest=(\w+)", (run / "logs" / f"rank_{r}.log").read_text())
-        out[r] = found[-1] if found else None
-    return out
+    found = [re.findall(r"state_digest=(\w+)", (run / "logs" / f"rank_{r}.log").read_text()) for r in range(world)]
+    return {f[-1] if f else None for f in found}
 
-m, s = digests(multi), digests(single)
-same_ranks = len(set(m.values())) == 1 and None not in m.values()
-same_as_single = same_ranks and set(m.values()) == set(s.values())
-print(f"multinode_local: {strategy}: {world} ranks on emulated hosts, final state digests {sorted(set(m.values()))}; "
-      f"single host {sorted(set(s.values()))}: "
-      f"{'every rank identical and equal to the single-host run' if same_as_single else 'MISMATCH'}")
-sys.exit(0 if same_as_single else 1)
+
+failed = False
+for s in twins:
+    m, one = digests(multi[s]), digests(single[s])
+    ok = len(m) == 1 and None not in m and m == one
+    failed |= not ok
+    print(f"multinode_local: {s}: {world} ranks on emulated hosts, final state digests {sorted(m)}; single host "
+          f"{sorted(one)}: {'every rank identical and equal to the single-host run' if ok else 'MISMATCH'}")
+if reference in single:
+    ref = consolidate(list_checkpoints(single[reference])[-1])
+    scale = max(v.abs().max().item() for v in ref.values() if v.is_floating_point())
+    for s in strategies:
+        if s == reference:
+            continue
+        mine = consolidate(list_checkpoints(multi[s])[-1])
+        worst = max(((mine[k].double() - v.double()).abs() / (v.double().abs() + scale)).max().item()
+                    for k, v in ref.items() if v.is_floating_point())
+        failed |= worst > tolerance
+        print(f"multinode_local: {s} on emulated hosts vs {reference} on one host: largest relative difference "
+              f"{worst:.1e} ({'within' if worst <= tolerance else 'ABOVE'} {tolerance:g})")
+sys.exit(1 if failed else 0)
 EOF
-done
-exit $status

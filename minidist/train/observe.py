@@ -26,6 +26,9 @@ class RunLog:
         self.logger = logging.getLogger(f"minidist.train.rank{ctx.rank}")
         self.logger.setLevel(logging.INFO)
         self.logger.propagate = False
+        # A Hydra sweep configures logging again for every job, and its disable_existing_loggers
+        # switches off this logger, created by the previous job: the later jobs' logs stayed empty.
+        self.logger.disabled = False
         self._file = logging.FileHandler(self.run_dir / "logs" / f"rank_{ctx.rank}.log")
         self._file.setFormatter(logging.Formatter("%(asctime)s rank %(rank)s  %(message)s", "%H:%M:%S"))
         self._file.addFilter(lambda record: setattr(record, "rank", ctx.rank) or True)

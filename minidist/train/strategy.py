@@ -253,11 +253,15 @@ def build_mesh(cfg):
     """The mesh of strategy.shard_size (null: the ranks of one host, as the launcher says)."""
     from minidist.mesh import init_mesh
 
+    import minidist
+
     shard = cfg.get("shard_size")
     try:
-        return init_mesh(shard=None if shard is None else int(shard))
+        mesh = init_mesh(shard=None if shard is None else int(shard))
     except ValueError as e:
         raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+    minidist.print0(str(mesh))
+    return mesh
 
 
 def shard_path(directory: Path, rank: int) -> Path:

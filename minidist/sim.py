@@ -1,0 +1,322 @@
+"""A cost model of one training step's communication on a two-level cluster, to 16,384 ranks.
+
+    python -m minidist.sim recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
+    python -m minidist.sim table --out docs/scale.md --plot docs/img/scale.png
+    python -m minidist.sim validate measured.json      # against scripts/validate_sim.sh's runs
+
+The cluster: H hosts of G ranks (N = H G). Within a host, each rank has links of bandwidth
+`intra_bw` (bytes/s) and latency `intra_lat` (s); between hosts, each host has `inter_bw`
+(its network bandwidth, all NICs together) and `inter_lat`. Ranks are numbered host by
+host (as torchrun and SLURM do), so a group of contiguous ranks stays within a host.
+
+Collectives, alpha-beta model, on a group of n ranks moving M bytes:
+
+    ring reduce_scatter or all_gather   (n-1) x (a + M/n / b)       n-1 steps of M/n per rank
+    ring all_reduce                     2 (n-1) x (a + M/n / b)     reduce_scatter + all_gather
+    tree all_reduce (double binary)     2 log2(n) x a + 2 (n-1)/n M / b   latency grows with log n only
+                                        (pipelined, two trees: the ring's bandwidth term, as NCCL's trees reach)
+
+where (a, b) is the slowest link a step crosses. A group within one host: (intra_lat,
+intra_bw). A group spanning hosts, laid out host by host (a flat ring over the world): each
+step sends one M/n message out of each host, so (inter_lat, inter_bw). A replicate group
+(one rank per host, stride G): every step crosses hosts, and the G replicate groups of a
+mesh run at once, sharing each host's network: (inter_lat, inter_bw / G). Each step is
+paid per message, so a step split into k buckets or units pays k latencies per step.
+
+Per optimizer step (Psi parameters, `comm_bytes` each on the wire, bf16 by default):
+
+    ddp           all_reduce(Psi) over N                               (buckets)
+    hierarchical  reduce_scatter(Psi) in host, all_reduce(Psi/G) across hosts, all_gather in host
+    zero1, zero2  reduce_scatter(Psi) + all_gather(Psi) over N         (buckets)
+    zero3         reduce_scatter(Psi) + 2 all_gather(Psi) over N       (units)
+    hsdp2         zero2 within the shard group + all_reduce(Psi/S) across the replicas
+    hsdp3         zero3 within the shard group + all_reduce(Psi/S) across the replicas  (units)
+
+A shard group is S ranks: one host (S = G) by default; when the state does not fit at S = G,
+`evaluate` takes the smallest S (G times a power of two) at which it does: then the shard
+group's rings cross hosts, as a world ring does (inter_lat, inter_bw).
+
+Memory per rank (mixed precision, Adam: 2 + 2 + 12 bytes per parameter, the ZeRO paper's
+K = 12): ddp/hierarchical 16 Psi; zero1 4 Psi + 12 Psi/N; zero2 2 Psi + 14 Psi/N; zero3
+16 Psi/N; hsdp2 2 Psi + 14 Psi/S; hsdp3 16 Psi/S. Activations are left out: a strategy
+"fits" when its model state takes at most `state_fraction` of the device memory.
+
+This is communication only: compute and how much of the communication it hides are not
+modelled. docs/scale.md holds the table and plot, and how the model compares with the
+emulated hosts (scripts/validate_sim.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, replace
+
+STRATEGIES = ("ddp", "hierarchical", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Links of a two-level cluster (bandwidths in bytes/s, latencies in s)."""
+
+    per_host: int          # G: ranks per host
+    intra_bw: float        # per rank, within a host
+    intra_lat: float
+    inter_bw: float        # per host, all of its network links together
+    inter_lat: float
+    device_bytes: float = 80e9  # memory per rank (an 80 GB GPU)
+
+
+# Two clusters to tabulate: 8 GPUs a host on NVLink (about 200 GB/s each way per GPU), linked
+# by InfiniBand 8 x 400 Gb/s (about 400 GB/s a host) or by one 100 Gb/s Ethernet link.
+CLUSTERS = {
+    "ib": Cluster(per_host=8, intra_bw=200e9, intra_lat=3e-6, inter_bw=400e9, inter_lat=10e-6),
+    "ethernet": Cluster(per_host=8, intra_bw=200e9, intra_lat=3e-6, inter_bw=12.5e9, inter_lat=30e-6),
+}
+
+# Two models to tabulate: parameters and the layers that become stage-3 units.
+MODELS = {"1B": (1.0e9, 24), "70B": (70e9, 80)}
+
+
+@dataclass(frozen=True)
+class Link:
+    lat: float
+    bw: float
+
+
+def ring_steps_time(n: int, nbytes: float, link: Link, passes: int, messages: int = 1) -> float:
+    """`passes` ring passes (1: reduce_scatter or all_gather, 2: all_reduce) of `nbytes` split
+    into `messages` collectives, on n ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    per = nbytes / messages
+    return messages * passes * (n - 1) * (link.lat + per / n / link.bw)
+
+
+def tree_all_reduce_time(n: int, nbytes: float, link: Link, messages: int = 1) -> float:
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    per = nbytes / messages
+    return messages * (2 * math.ceil(math.log2(n)) * link.lat + 2 * (n - 1) / n * per / link.bw)
+
+
+def ring_link(c: Cluster, ranks: int) -> Link:
+    """The bottleneck of a ring over `ranks` contiguous ranks: within a host, or across hosts
+    (laid out host by host: one message out of each host per step)."""
+    return Link(c.intra_lat, c.intra_bw) if ranks <= c.per_host else Link(c.inter_lat, c.inter_bw)
+
+
+def replicas_link(c: Cluster) -> Link:
+    """A replicate group's ring: every step crosses hosts, and the G groups share each host's network."""
+    return Link(c.inter_lat, c.inter_bw / c.per_host)
+
+
+def all_reduce_time(n: int, nbytes: float, link: Link, algorithm: str, messages: int) -> float:
+    if algorithm == "tree":
+        return tree_all_reduce_time(n, nbytes, link, messages)
+    return ring_steps_time(n, nbytes, link, 2, messages)
+
+
+def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm_bytes: int = 2,
+                   algorithm: str = "ring", units: int = 24, bucket_bytes: float = 25 * 2**20,
+                   shard: int | None = None) -> dict[str, float]:
+    """Seconds of communication per optimizer step: "group" (the world's collectives, or the
+    shard group's), "replicas" (the all_reduce across replicas) and "total".
+
+    `algorithm` applies to all_reduce (ring or tree); reduce_scatter and all_gather are rings.
+    `shard`: the shard group's size S for hsdp2/hsdp3 (default: one host); hierarchical uses G."""
+    G, N = c.per_host, hosts * c.per_host
+    size = params * comm_bytes
+    buckets = max(1, math.ceil(size / bucket_bytes))
+    group = replicas = 0.0
+    if strategy == "ddp":
+        group = all_reduce_time(N, size, ring_link(c, N), algorithm, buckets)
+    elif strategy in ("zero1", "zero2"):
+        group = ring_steps_time(N, size, ring_link(c, N), 2, buckets)
+    elif strategy == "zero3":
+        group = ring_steps_time(N, size, ring_link(c, N), 3, units)
+    elif strategy in ("hierarchical", "hsdp2", "hsdp3"):
+        S = G if strategy == "hierarchical" or shard is None else shard
+        if N % S:
+            raise ValueError(f"a shard group of {S} does not divide {N} ranks")
+        passes, messages = {"hierarchical": (2, buckets), "hsdp2": (2, buckets), "hsdp3": (3, units)}[strategy]
+        group = ring_steps_time(S, size, ring_link(c, S), passes, messages)
+        replicas = all_reduce_time(N // S, size / S, replicas_link(c), algorithm, messages)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
+    return {"group": group, "replicas": replicas, "total": group + replicas}
+
+
+def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None) -> float:
+    """Model state per rank (mixed precision + Adam), the ZeRO paper's formulas with K = 12."""
+    N, S = hosts * per_host, shard or per_host
+    return {
+        "ddp": 16 * params, "hierarchical": 16 * params,
+        "zero1": 4 * params + 12 * params / N, "zero2": 2 * params + 14 * params / N, "zero3": 16 * params / N,
+        "hsdp2": 2 * params + 14 * params / S, "hsdp3": 16 * params / S,
+    }[strategy]
+
+
+def evaluate(params: float, units: int, hosts: int, c: Cluster, algorithm: str = "ring",
+             state_fraction: float = 0.5) -> dict[str, dict]:
+    """Every strategy: communication seconds per step, state per rank, whether it fits, and for
+    hsdp2/hsdp3 the shard group size used (one host, or the smallest multiple that fits)."""
+    N, budget = hosts * c.per_host, state_fraction * c.device_bytes
+    out = {}
+    for s in STRATEGIES:
+        shard = None
+        if s in ("hsdp2", "hsdp3"):
+            shard = c.per_host
+            while state_bytes_per_rank(s, params, hosts, c.per_host, shard) > budget and shard * 2 <= N \
+                    and N % (shard * 2) == 0:
+                shard *= 2
+        t = step_comm_time(s, params, hosts, c, algorithm=algorithm, units=units, shard=shard)
+        state = state_bytes_per_rank(s, params, hosts, c.per_host, shard)
+        out[s] = {**t, "state_bytes": state, "fits": state <= budget, "shard": shard}
+    return out
+
+
+def recommend(params: float, units: int, hosts: int, c: Cluster, algorithm: str = "ring",
+              state_fraction: float = 0.5) -> tuple[str | None, dict]:
+    """The strategy with the least communication among those whose state fits (None: none fits)."""
+    rows = evaluate(params, units, hosts, c, algorithm, state_fraction)
+    fitting = [s for s in STRATEGIES if rows[s]["fits"]]
+    return (min(fitting, key=lambda s: (rows[s]["total"], STRATEGIES.index(s))) if fitting else None), rows
+
+
+# --------------------------------------------------------------------------- table and plot
+
+RANKS = (16, 64, 256, 1024, 4096, 16384)
+
+
+def table_markdown(algorithm: str = "ring") -> str:
+    lines = []
+    for cname, c in CLUSTERS.items():
+        for mname, (params, units) in MODELS.items():
+            lines += [f"### {mname} parameters, `{cname}` cluster ({c.per_host} ranks a host, "
+                      f"{c.intra_bw / 1e9:g} GB/s within, {c.inter_bw / 1e9:g} GB/s a host between), "
+                      f"{algorithm} all_reduce", "",
+                      "| ranks | " + " | ".join(STRATEGIES) + " | pick |",
+                      "|---" * (len(STRATEGIES) + 2) + "|"]
+            for n in RANKS:
+                pick, rows = recommend(params, units, n // c.per_host, c, algorithm)
+                cells = [f"{rows[s]['total'] * 1e3:,.0f}" + ("" if rows[s]["fits"] else " ✗")
+                         + (f" (S={rows[s]['shard']})" if rows[s]["shard"] not in (None, c.per_host) else "")
+                         for s in STRATEGIES]
+                lines.append(f"| {n:,} | " + " | ".join(cells) + f" | **{pick or '-'}** |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def plot(path: str, algorithm: str = "ring") -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(CLUSTERS), len(MODELS), figsize=(11, 8), sharex=True)
+    for i, (cname, c) in enumerate(CLUSTERS.items()):
+        for j, (mname, (params, units)) in enumerate(MODELS.items()):
+            ax = axes[i][j]
+            for s in STRATEGIES:
+                xs, ys, fits = [], [], []
+                for n in RANKS:
+                    r = evaluate(params, units, n // c.per_host, c, algorithm)[s]
+                    xs.append(n)
+                    ys.append(r["total"])
+                    fits.append(r["fits"])
+                # Several strategies cost the same (ddp = zero1 = zero2 with a ring; hierarchical =
+                # hsdp2): styles differ so that every line stays visible.
+                k = STRATEGIES.index(s)
+                ax.plot(xs, ys, marker="os^vDP*"[k], linestyle=("-", "--", ":", "-.")[k % 4], label=s, alpha=0.85,
+                        markersize=4 + (k % 3))
+                ax.plot([x for x, f in zip(xs, fits) if not f], [y for y, f in zip(ys, fits) if not f], "x",
+                        color="black", markersize=9)
+            ax.set(xscale="log", yscale="log", title=f"{mname}, {cname}", xlabel="ranks",
+                   ylabel="communication per step (s)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"Cost model ({algorithm} all_reduce): x = model state does not fit in half of 80 GB")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- validation
+
+def predict_measured(m: dict) -> dict[str, float]:
+    """Predictions for what scripts/validate_sim.sh measured: `m` holds the cluster it calibrated
+    (hosts, per_host, intra/inter bandwidth and latency) and the payload; fp32 bytes, ring."""
+    c = Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
+                inter_bw=m["inter_bw"], inter_lat=m["inter_lat"])
+    return {s: step_comm_time(s, m["params"], m["hosts"], c, comm_bytes=4, algorithm="ring",
+                              units=m["messages"], bucket_bytes=m["params"] * 4 / m["messages"])["total"]
+            for s in m["measured"]}
+
+
+def validate(m: dict, tolerance: float = 0.25) -> tuple[bool, str]:
+    predicted = predict_measured(m)
+    lines = ["| pattern | measured s | predicted s | error |", "|---|---|---|---|"]
+    ok = True
+    for s, measured in m["measured"].items():
+        err = (predicted[s] - measured) / measured
+        ok &= abs(err) <= tolerance
+        lines.append(f"| {s} | {measured:.3f} | {predicted[s]:.3f} | {err:+.0%} |")
+    return ok, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minidist.sim", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("recommend", help="which strategy for a model on a cluster")
+    r.add_argument("--params", type=float, required=True)
+    r.add_argument("--units", type=int, default=None, help="stage-3 units (layers); default: 24 or 80 by size")
+    r.add_argument("--hosts", type=int, required=True)
+    r.add_argument("--per-host", type=int, default=None)
+    r.add_argument("--cluster", choices=list(CLUSTERS), default="ib")
+    r.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    r.add_argument("--device-gb", type=float, default=80.0)
+    t = sub.add_parser("table", help="write the markdown table and the plot")
+    t.add_argument("--out", default=None)
+    t.add_argument("--plot", default=None)
+    t.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    v = sub.add_parser("validate", help="compare predictions with scripts/validate_sim.sh's measurements")
+    v.add_argument("measured", help="the JSON that recipes/bench_mesh.py wrote")
+    v.add_argument("--tolerance", type=float, default=0.25)
+    args = parser.parse_args(argv)
+    if args.command == "recommend":
+        c = CLUSTERS[args.cluster]
+        c = replace(c, per_host=args.per_host or c.per_host, device_bytes=args.device_gb * 1e9)
+        units = args.units or (24 if args.params < 10e9 else 80)
+        pick, rows = recommend(args.params, units, args.hosts, c, args.algorithm)
+        print(f"{args.params / 1e9:g}B parameters on {args.hosts} hosts x {c.per_host} ({args.cluster}, "
+              f"{args.algorithm} all_reduce):")
+        for s in STRATEGIES:
+            row = rows[s]
+            shard = f"  shard groups of {row['shard']}" if row["shard"] else ""
+            print(f"  {s:<13}{row['total'] * 1e3:>10,.1f} ms/step  state {row['state_bytes'] / 1e9:>8,.1f} GB/rank"
+                  f"{'' if row['fits'] else '  (does not fit)'}{shard}")
+        print(f"pick: {pick or 'none fits: more ranks per replica (a larger shard group) or offloading'}")
+        return 0
+    if args.command == "table":
+        text = table_markdown(args.algorithm)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+        if args.plot:
+            plot(args.plot, args.algorithm)
+        return 0
+    with open(args.measured) as f:
+        m = json.load(f)
+    ok, text = validate(m, args.tolerance)
+    print(text)
+    print(f"cluster calibrated: {json.dumps({k: m[k] for k in ('intra_bw', 'intra_lat', 'inter_bw', 'inter_lat')})}")
+    print("within" if ok else "NOT within", f"{args.tolerance:.0%} for every pattern")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

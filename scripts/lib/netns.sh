@@ -1,0 +1,68 @@
+# Emulated hosts: Linux network namespaces with their own IP addresses on veth pairs joined by a
+# bridge. Sourced by scripts/multinode_local.sh and scripts/validate_sim.sh.
+#
+#   HOSTS=2 PREFIX=md; source scripts/lib/netns.sh
+#   netns_require_root "$0"      # exit 3 with the reason where namespaces cannot be made
+#   trap netns_cleanup EXIT; netns_cleanup; netns_up
+#   netns_torchrun 1 "$name" NPROC script.py args...   # host 1's share of a c10d-rendezvous job
+#
+# Host i is namespace ${PREFIX}h$i with address $SUBNET.$i on its eth0; the rendezvous is at host 1.
+SUBNET=${SUBNET:-10.77.0}
+PORT=${PORT:-29400}
+BRIDGE=${PREFIX}br0
+
+die() { echo "$(basename "$0" .sh): $*" >&2; exit "${2:-1}"; }
+
+netns_require_root() {
+    if [ "$(id -u)" != 0 ] || ! ip netns add "${PREFIX}probe" 2>/dev/null; then
+        die "cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $1" 3
+    fi
+    ip netns del "${PREFIX}probe"
+}
+
+netns_cleanup() {
+    for i in $(seq 1 "$HOSTS"); do
+        ns=${PREFIX}h$i
+        if ip netns list | grep -qw "$ns"; then
+            pids=$(ip netns pids "$ns" 2>/dev/null)
+            [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+            ip netns del "$ns" 2>/dev/null
+        fi
+        ip link del "${PREFIX}v$i" 2>/dev/null
+    done
+    ip link del "$BRIDGE" 2>/dev/null
+    return 0
+}
+
+netns_up() {
+    ip link add "$BRIDGE" type bridge && ip link set "$BRIDGE" up || die "cannot create bridge $BRIDGE"
+    for i in $(seq 1 "$HOSTS"); do
+        ns=${PREFIX}h$i
+        ip netns add "$ns"
+        ip link add "${PREFIX}v$i" type veth peer name "${PREFIX}p$i"
+        ip link set "${PREFIX}p$i" netns "$ns"
+        ip link set "${PREFIX}v$i" master "$BRIDGE" up
+        ip netns exec "$ns" ip link set lo up
+        ip netns exec "$ns" ip link set "${PREFIX}p$i" name eth0
+        ip netns exec "$ns" ip addr add "$SUBNET.$i/24" dev eth0
+        ip netns exec "$ns" ip link set eth0 up
+    done
+    for i in $(seq 2 "$HOSTS"); do  # every host has a route to host 1 before anything starts
+        ip netns exec "${PREFIX}h$i" ip -4 route get "$SUBNET.1" >/dev/null 2>&1 || die "host $i has no route to host 1"
+    done
+}
+
+# netns_torchrun HOST RDZV_ID NPROC_PER_HOST SCRIPT ARGS...: runs in the foreground; background it.
+netns_torchrun() {
+    local i=$1 id=$2 nproc=$3
+    shift 3
+    # Each host: its own address for torchrun's store (--local-addr) and for gloo (its eth0).
+    # Host 1 serves the rendezvous (is_host: the namespaces share one hostname, so torchrun
+    # cannot tell from names which of them owns the endpoint's address).
+    local is_host=0
+    [ "$i" = 1 ] && is_host=1
+    ip netns exec "${PREFIX}h$i" env GLOO_SOCKET_IFNAME=eth0 timeout -k 10 "$TIMEOUT_S" \
+        "$PYTHON" -m torch.distributed.run --nnodes "$HOSTS" --nproc_per_node "$nproc" \
+        --rdzv-backend c10d --rdzv-endpoint "$SUBNET.1:$PORT" --rdzv-id "$id" --local-addr "$SUBNET.$i" \
+        --rdzv-conf "is_host=$is_host" "$@"
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Validate the cost model (minidist/sim.py) on emulated hosts whose links are shaped with tc:
+# HOSTS network namespaces (scripts/lib/netns.sh) whose eth0 sends at most RATE (a tbf qdisc), so
+# that hosts are linked far more slowly than the ranks inside one (loopback). Latency is the
+# veth's own (netem, which could add delay, is not in every kernel: not in this one); the
+# calibration measures it, as it measures the bandwidths. On them,
+# scripts/bench_mesh.py calibrates both levels' latency and bandwidth, then times the step
+# patterns of ddp, zero3, hierarchical all_reduce and hsdp3; `python -m minidist.sim validate`
+# predicts each from the calibrated links and fails when one is off by more than TOLERANCE.
+#
+#   sudo scripts/validate_sim.sh                               # 2 hosts x 2 ranks, 200 Mbit/s
+#   sudo RATE=1gbit PARAMS=4194304 scripts/validate_sim.sh
+#
+# Environment: HOSTS (2), NPROC_PER_HOST (2), RATE (200mbit), PARAMS (fp32 values
+# per step, 1048576), MESSAGES (2), REPS (3), TOLERANCE (0.25), OUT (a new temp folder), PREFIX
+# (ms), TIMEOUT_S (300), PYTHON (.venv/bin/python). Needs root; without it, exit 3.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+HOSTS=${HOSTS:-2}
+NPROC_PER_HOST=${NPROC_PER_HOST:-2}
+RATE=${RATE:-200mbit}
+PARAMS=${PARAMS:-1048576}
+MESSAGES=${MESSAGES:-2}
+REPS=${REPS:-3}
+TOLERANCE=${TOLERANCE:-0.25}
+PREFIX=${PREFIX:-ms}
+TIMEOUT_S=${TIMEOUT_S:-300}
+PYTHON=${PYTHON:-.venv/bin/python}
+OUT=${OUT:-$(mktemp -d /tmp/minidist-validate-sim.XXXXXX)}
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+if [ "$(id -u)" != 0 ]; then
+    echo "validate_sim: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
+    exit 3
+fi
+source scripts/lib/netns.sh
+
+netns_require_root "$0"
+trap netns_cleanup EXIT
+trap 'exit 130' INT TERM
+netns_cleanup
+netns_up
+for i in $(seq 1 "$HOSTS"); do  # each host's outgoing link: RATE (a queue large enough never to drop)
+    ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb limit 32mb \
+        || die "cannot shape eth0 with tc's tbf qdisc"
+    # TCP would restart slow start after every idle gap between two ring steps (a cluster's RDMA
+    # links do not): keep each connection's window, so the link runs at RATE.
+    ip netns exec "${PREFIX}h$i" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0
+done
+echo "validate_sim: $HOSTS hosts x $NPROC_PER_HOST ranks, links between hosts shaped to $RATE; in $OUT"
+
+pids=()
+for i in $(seq 1 "$HOSTS"); do
+    netns_torchrun "$i" validate "$NPROC_PER_HOST" scripts/bench_mesh.py --params "$PARAMS" --messages "$MESSAGES" \
+        --reps "$REPS" --out "$OUT/measured.json" > "$OUT/host$i.log" 2>&1 &
+    pids+=($!)
+done
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+if [ "$failed" != 0 ]; then
+    tail -n 20 "$OUT"/host*.log >&2
+    die "the measurement failed; logs: $OUT/host*.log"
+fi
+"$PYTHON" -m minidist.sim validate "$OUT/measured.json" --tolerance "$TOLERANCE"
