@@ -65,7 +65,8 @@ def test_uneven_shards_end_like_native_join(ranks, world, model, accumulate):
 
 # --------------------------------------------------------------------------- ShardedDataParallel
 
-def sharded_uneven_run(wrapper_name: str, model: str, accumulate: int, clip: float | None, stage: int = 0):
+def sharded_uneven_run(wrapper_name: str, model: str, accumulate: int, clip: float | None, stage: int = 0,
+                       mesh=None):
     """Rank r trains 3 + 2r steps; SGD + momentum, a StepLR schedule and optional clipping.
     Returns the final full state_dict (ours: every rank; native DDP: that rank's own)."""
     import torch.distributed as dist
@@ -76,7 +77,8 @@ def sharded_uneven_run(wrapper_name: str, model: str, accumulate: int, clip: flo
     net = perturbed(build(model), rank)
     if wrapper_name == "ours":
         kwargs = {"min_unit_params": 50} if stage == 3 else {"bucket_cap_mb": 0.001}  # several units / buckets
-        wrapped = minidist.ShardedDataParallel(net, lambda ps: make_optimizer("sgd", ps), stage=stage, **kwargs)
+        wrapped = minidist.ShardedDataParallel(net, lambda ps: make_optimizer("sgd", ps), stage=stage, mesh=mesh,
+                                               **kwargs)
         opt, join = wrapped.optimizer, minidist.Join(wrapped)
         clip_fn = wrapped.clip_grad_norm_
     else:
@@ -104,17 +106,22 @@ def sharded_uneven_run(wrapper_name: str, model: str, accumulate: int, clip: flo
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def sharded_and_native(model: str, accumulate: int, clip: float | None):
+def sharded_and_native(model: str, accumulate: int, clip: float | None, mesh_shape=None):
+    import minidist
+
     native = sharded_uneven_run("native", model, accumulate, clip)
-    return native, {stage: sharded_uneven_run("ours", model, accumulate, clip, stage) for stage in (1, 2, 3)}
+    mesh = minidist.init_mesh(*mesh_shape, env={}) if mesh_shape else None  # hybrid sharding: Join spans the world
+    return native, {stage: sharded_uneven_run("ours", model, accumulate, clip, stage, mesh) for stage in (1, 2, 3)}
 
 
-@pytest.mark.parametrize("world, model, accumulate, clip", [(2, "mlp", 1, None), (3, "mlp", 2, 0.5),
-                                                            (2, "cnn", 1, 0.5), (3, "cnn", 1, None)])
-def test_sharded_uneven_shards_end_like_the_longest_native_rank(ranks, world, model, accumulate, clip):
+@pytest.mark.parametrize("world, model, accumulate, clip, mesh_shape", [
+    (2, "mlp", 1, None, None), (3, "mlp", 2, 0.5, None), (2, "cnn", 1, 0.5, None), (3, "cnn", 1, None, None),
+    (4, "mlp", 1, 0.5, (2, 2)),  # on a 2x2 mesh (hybrid sharding)
+])
+def test_sharded_uneven_shards_end_like_the_longest_native_rank(ranks, world, model, accumulate, clip, mesh_shape):
     """Under ZeRO every rank ends with the model native DDP's longest-training rank ends with:
     the ranks that left kept stepping their shards with the others' gradients (no drift)."""
-    out = ranks(world).run(sharded_and_native, model, accumulate, clip, timeout_s=180)
+    out = ranks(world).run(sharded_and_native, model, accumulate, clip, mesh_shape, timeout_s=180)
     longest_native = out[-1][0]  # the highest rank trained longest: its state is the true one
     for stage in (1, 2, 3):
         for rank, (_, ours) in enumerate(out):
