@@ -73,11 +73,14 @@ def traced_hybrid_step(replicate: int, shard: int, what: str):
         model = minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["adamw"], stage=stage,
                                              mesh=mesh if what.startswith("hsdp") else None, **kwargs)
         opt = model.optimizer
+    report = None
     for step in range(2):
         x, y = global_batch("gpt", step, 0, n)
         with CommTracer() as tracer:
             loss_fn("gpt", model(x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]),
                     y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]).backward()
+            if what != "hierarchical":  # the state just before the step: gradients, optimizer, parameters
+                report = model.memory_report()
             opt.step()
             opt.zero_grad()
     groups = {"shard": tuple(mesh.shard_ranks[mesh.replica]),
@@ -88,7 +91,6 @@ def traced_hybrid_step(replicate: int, shard: int, what: str):
         sent[name] = by_group.pop(members, 0.0) if members not in [groups[k] for k in sent] else 0.0
     padded = [s.padded * 4 for s in model._shards] if what != "hierarchical" else \
         [-(-b.buffer.numel() // mesh.shard) * mesh.shard * 4 for b in model._buckets]
-    report = model.memory_report() if what != "hierarchical" else None
     psi = sum(p.numel() for p in build("gpt").parameters())
     return sent, by_group, padded, report, psi
 
@@ -116,3 +118,7 @@ def test_cross_host_bytes_are_those_of_the_formula(ranks, replicate, shard):
                 if what == "hsdp3":  # (stage 2's master shards are views into its full parameters)
                     assert report["master_params"] == P // S
                 assert report["optimizer_state"] == 2 * P // S + 4 * len(padded)  # + one step counter per shard
+                # the whole model state, measured: the README's formula with S (P = 4 psi, padded)
+                expected = 4 * P // S if what == "hsdp3" else P + 3 * P // S
+                state = report["total"] - report["comm_buffers"] - report.get("replicated", 0)
+                assert abs(state - expected) <= 0.05 * expected, (what, report, expected)

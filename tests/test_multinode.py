@@ -50,11 +50,12 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
     assert f"{prefix}h1" not in listing and f"{prefix}h2" not in listing  # cleaned up
 
 
-def test_without_root_it_says_so():
+@pytest.mark.parametrize("script", ["multinode_local.sh", "validate_sim.sh"])
+def test_without_root_it_says_so(script):
     # As user nobody when we are root. The script goes in on stdin: nobody may not be allowed
     # to read the checkout (a clone in a private temporary folder).
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
-    out = subprocess.run([*as_nobody, "bash", "-s"], input=SCRIPT.read_text(), cwd="/", env={**os.environ},
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run([*as_nobody, "bash", "-s"], input=(ROOT / "scripts" / script).read_text(), cwd="/",
+                         env={**os.environ}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stderr
-    assert "cannot create network namespaces here (needs root" in out.stderr
+    assert f"{script.removesuffix('.sh')}: cannot create network namespaces here (needs root" in out.stderr
