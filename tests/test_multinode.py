@@ -1,7 +1,7 @@
 """scripts/multinode_local.sh: 2 emulated hosts (network namespaces, own IPs, a bridge) x 2 ranks,
 torchrun's c10d rendezvous across them; every rank ends equal to a 4-rank single-host run (ddp,
-zero2: bitwise); hybrid sharding (hsdp3) and hierarchical all_reduce, their shard groups found
-from the host layout, end within 1e-6 of ddp."""
+zero2: bitwise); hybrid sharding (hsdp2, hsdp3) and hierarchical all_reduce, their shard groups
+found from the host layout, end within 1e-6 of ddp."""
 
 import os
 import subprocess
@@ -33,7 +33,7 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
         pytest.skip(reason)
     prefix = "mdt"  # names of our own; a run killed half-way is cleaned up by the next one
     env = {**os.environ, "OUT": str(tmp_path), "PREFIX": prefix, "PYTHON": PYTHON, "TIMEOUT_S": "240",
-           "STRATEGIES": "ddp zero2 hsdp3 ddp_hierarchical", "TWINS": "ddp zero2"}
+           "STRATEGIES": "ddp zero2 hsdp2 hsdp3 ddp_hierarchical", "TWINS": "ddp zero2"}
     out = subprocess.run(["bash", str(SCRIPT), "trainer.max_steps=8", "trainer.micro_batch_size=4",
                           "trainer.eval_batches=1", "trainer.ckpt_every=0", "trainer.log_every=4",
                           "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
@@ -42,8 +42,9 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
     for strategy in ("ddp", "zero2"):
         assert f"{strategy}: 4 ranks on emulated hosts" in out.stdout
     assert out.stdout.count("every rank identical and equal to the single-host run") == 2, out.stdout
-    assert (tmp_path / "multi.host1.log").read_text().count("Mesh(replicate=2 x shard=2)") == 2  # hsdp3,
-    for name in ("hsdp3", "ddp_hierarchical"):  # ddp_hierarchical: one shard group per host, found by the mesh
+    # hsdp2, hsdp3, ddp_hierarchical: one shard group per host, found by the mesh from the host layout
+    assert (tmp_path / "multi.host1.log").read_text().count("Mesh(replicate=2 x shard=2)") == 3
+    for name in ("hsdp2", "hsdp3", "ddp_hierarchical"):
         assert f"{name} on emulated hosts vs ddp on one host: largest relative difference" in out.stdout
         assert "(within 1e-06)" in out.stdout.split(f"{name} on emulated hosts vs ddp")[1].splitlines()[0]
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
