@@ -7,7 +7,9 @@ the sum over every rank. Only that all_reduce crosses hosts: 1/S of the bytes.
 
 The all_reduce can start only once the reduce_scatter has finished, so it is chained
 behind it; chained reductions start strictly in issue order (a later bucket's never
-before an earlier one's), so every rank of a replicate group issues them alike.
+before an earlier one's), so every rank of a replicate group issues them alike. Each new
+reduction first starts those at the head of the queue whose reduce_scatter is already
+done, so the all_reduces overlap the rest of backward instead of all waiting for its end.
 """
 
 from __future__ import annotations
@@ -26,17 +28,26 @@ class ReplicaReduce:
 
     def after(self, handle, tensor: torch.Tensor) -> "_ThenAcrossReplicas":
         """A handle whose wait() returns once `handle` and the all_reduce of `tensor` are done."""
+        self.progress()
         chained = _ThenAcrossReplicas(self, handle, tensor)
         self._queue.append(chained)
         return chained
 
+    def progress(self) -> None:
+        """Start the all_reduces at the head of the queue whose reduce_scatter has finished."""
+        while self._queue and self._queue[0].first.is_completed():
+            self._start(self._queue.pop(0))
+
     def _start_up_to(self, target: "_ThenAcrossReplicas") -> None:
         while self._queue:
             head = self._queue.pop(0)
-            head.first.wait()
-            head.second = comm.all_reduce(head.tensor, group=self.group, async_op=True, algorithm=self.algorithm)
+            self._start(head)
             if head is target:
                 return
+
+    def _start(self, chained: "_ThenAcrossReplicas") -> None:
+        chained.first.wait()
+        chained.second = comm.all_reduce(chained.tensor, group=self.group, async_op=True, algorithm=self.algorithm)
 
 
 class _ThenAcrossReplicas:
