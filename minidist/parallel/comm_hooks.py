@@ -13,6 +13,7 @@ import torch
 
 from minidist import comm
 from minidist.buckets import Bucket
+from minidist.parallel.replicas import ReplicaReduce
 
 
 def allreduce_hook(bucket: Bucket):
@@ -62,13 +63,18 @@ class HierarchicalAllReduce:
 
         model = DataParallel(net, comm_hook=HierarchicalAllReduce(minidist.init_mesh(shard=4)))
 
-    The reduce_scatter starts when the bucket is launched; the cross-host and gather steps
-    run in wait(), which DataParallel calls in bucket order after every launch.
+    The reduce_scatter starts when the bucket is launched; the all_reduce across hosts is
+    chained behind it and starts, in bucket order, as soon as it is done (replicas.py, as for
+    hybrid sharding: the replicate group carries nothing else, so every rank issues the same
+    sequence there). The gather runs in wait(), which DataParallel calls in bucket order after
+    every launch: started any earlier, it could cross a later bucket's reduce_scatter on the
+    shard group in a different order on different ranks.
     """
 
     def __init__(self, mesh, algorithm: str = "auto"):
         self.mesh, self.algorithm = mesh, algorithm
         self.__name__ = "hierarchical"
+        self._across = ReplicaReduce(mesh.replicate_group, algorithm) if mesh.replicate > 1 else None
 
     def __call__(self, bucket: Bucket):
         S = self.mesh.shard
@@ -79,18 +85,17 @@ class HierarchicalAllReduce:
         piece = flat.new_empty(flat.numel() // S)
         handle = comm.reduce_scatter_tensor(piece, flat, group=self.mesh.shard_group, async_op=True,
                                             algorithm=self.algorithm)
-        return _AcrossHostsThenGather(self, handle, piece, flat, bucket)
+        if self._across is not None:
+            handle = self._across.after(handle, piece)  # then summed across hosts
+        return _ThenGather(self, handle, piece, flat, bucket)
 
 
-class _AcrossHostsThenGather:
+class _ThenGather:
     def __init__(self, hook: HierarchicalAllReduce, handle, piece, flat, bucket: Bucket):
         self.hook, self.handle, self.piece, self.flat, self.bucket = hook, handle, piece, flat, bucket
 
     def wait(self) -> None:
-        mesh = self.hook.mesh
-        self.handle.wait()
-        if mesh.replicate > 1:
-            comm.all_reduce(self.piece, group=mesh.replicate_group, algorithm=self.hook.algorithm)
-        comm.all_gather_into(self.flat, self.piece, group=mesh.shard_group, algorithm=self.hook.algorithm)
+        self.handle.wait()  # the reduce_scatter in the host and the all_reduce across hosts
+        comm.all_gather_into(self.flat, self.piece, group=self.hook.mesh.shard_group, algorithm=self.hook.algorithm)
         if self.flat is not self.bucket.buffer:
             self.bucket.buffer.copy_(self.flat[:self.bucket.buffer.numel()])
