@@ -189,16 +189,18 @@ def record_step(run, world_size: int, model=None, traced: bool = False, op_group
         ring.span_listeners.remove(on_ring)
     events = _trace_events(prof)
     anchor_us = next(e["ts"] for e in events if e["name"] == ANCHOR)
-    ring_records = [r for r in tracer.records if r.algorithm == "ring"]
+    # Traced: every call from the tracer. Otherwise the profiler's c10d events, plus our ring's
+    # calls, which run on send/recv the profiler does not count as collectives.
+    records = tracer.records if traced else [r for r in tracer.records if r.algorithm == "ring"]
     return analyse(events, anchor_us, [(n, a - anchor, b - anchor, inline) for n, a, b, inline in ring_spans],
-                   ring_records, world_size, tracer.records if traced else None, op_group_sizes or {})
+                   records, world_size, count_profiled=not traced, op_group_sizes=op_group_sizes)
 
 
-def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, world_size: int,
-            traced_records=None, op_group_sizes: dict | None = None) -> dict:
+def analyse(events: list[dict], anchor_us: float, ring_spans, records, world_size: int,
+            count_profiled: bool = True, op_group_sizes: dict | None = None) -> dict:
     """Phases, compute and communication intervals, bytes per op and the hidden fraction.
-    Bytes come from `traced_records` (every minidist.comm call) when given, else from the
-    profiler's c10d events (counted at the world size) plus our ring's records."""
+    Bytes: the CommTracer's `records`, plus (count_profiled) the profiler's c10d events, counted
+    at the world size or at `op_group_sizes[op]`."""
     def span(e):
         return (e["ts"] - anchor_us) / 1e6, (e["ts"] + e["dur"] - anchor_us) / 1e6
 
@@ -216,8 +218,7 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, worl
                             and e["name"].startswith("autograd::engine::evaluate_function")])
 
     per_op: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
-    from_tracer = ring_records if traced_records is None else traced_records
-    for e in events if traced_records is None else []:
+    for e in events if count_profiled else []:
         found = call_payload(e["name"], e.get("args", {}))
         if found:
             op, nbytes = found
@@ -225,7 +226,7 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, ring_records, worl
             row["calls"] += 1
             row["bytes"] += nbytes
             row["sent_bytes"] += comm.ring_bytes_sent(op, nbytes, (op_group_sizes or {}).get(op, world_size))
-    for r in from_tracer:
+    for r in records:
         if r.op in ("barrier", "all_gather_object", "recv", "irecv"):
             continue  # nothing sent (or, for objects, not the training's bytes)
         row = per_op[r.op]

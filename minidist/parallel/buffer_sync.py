@@ -43,10 +43,7 @@ class BufferSync:
         if self._flat is not None:
             self._flat.broadcast(src=self._src if src is None else src, group=self._group)
 
-    def force_next(self) -> None:
-        """The next forward broadcasts, on every rank that calls this (after Join's final sync)."""
-        self._due = True
-
     def set_due(self, due: bool) -> None:
-        """Say whether the next forward broadcasts (Join: a rank that left follows the others' notice)."""
+        """Say whether the next forward broadcasts (Join: a rank that left follows the others' notice,
+        and after Join's final sync every rank broadcasts at its next forward)."""
         self._due = due

@@ -294,7 +294,7 @@ class DataParallel(BucketedBackward, nn.Module):
 
     def _take_final_state(self, join) -> None:
         final_sync(self, join, [p.data for p in self.module.parameters()] + [b.data for b in self.module.buffers()])
-        self._buffer_sync.force_next()  # every rank alike from here on
+        self._buffer_sync.set_due(True)  # every rank alike from here on
 
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict (already complete on every rank: nothing is sharded)."""

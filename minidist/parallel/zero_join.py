@@ -111,7 +111,7 @@ class ShardedJoin:
         """Parameters already agree (each shard's owner updated it); buffers come from the last active rank."""
         self.wait_for_parameters()
         final_sync(self, join, [b.data for b in self.module.buffers()])
-        self._buffer_sync.force_next()
+        self._buffer_sync.set_due(True)
         self._replay = None
 
 

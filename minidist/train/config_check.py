@@ -15,7 +15,7 @@ from minidist.train.checkpoint import check_fits, latest_checkpoint, read_meta
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import build_model
-from minidist.train.strategy import STRATEGIES
+from minidist.train.strategy import STRATEGIES, mesh_dims
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_KINDS = {"gpt": "text", "resnet18": "image", "mlp": "image"}  # the data each model takes
@@ -91,19 +91,10 @@ def _plain(node) -> dict:
 
 def check_mesh(strategy_cfg, world_size: int) -> None:
     """Hybrid strategies and comm_hook=hierarchical: strategy.shard_size must split the world."""
-    from minidist.mesh import mesh_shape
-
     hybrid = strategy_cfg.name in ("hsdp2", "hsdp3", "native_hsdp") or \
         str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
-    shard = strategy_cfg.get("shard_size")
-    if not hybrid or shard is None:
-        return  # null: the ranks of one host, known only once launched (init_mesh checks it then)
-    if not isinstance(shard, int) or isinstance(shard, bool):
-        raise ConfigError(f"strategy.shard_size={shard!r} must be a whole number of ranks (or null: one host)")
-    try:
-        mesh_shape(world_size, None, shard, None)
-    except ValueError as e:
-        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+    if hybrid and strategy_cfg.get("shard_size") is not None:  # null: one host, known once launched
+        mesh_dims(strategy_cfg, world_size)
 
 
 def validate(cfg, world_size: int, run_dir: Path) -> Path | None:

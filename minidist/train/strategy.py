@@ -249,17 +249,28 @@ class OursZero(Strategy):
         return self.model.memory_report()
 
 
+def mesh_dims(cfg, world_size: int) -> tuple[int, int]:
+    """(replicas R, shard group size S) for strategy.shard_size (null: the ranks of one host, where
+    the launcher says so); a ConfigError naming the key when it does not split the world."""
+    from minidist.mesh import mesh_shape, ranks_per_host
+
+    shard = cfg.get("shard_size")
+    if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool)):
+        raise ConfigError(f"strategy.shard_size={shard!r} must be a whole number of ranks (or null: one host)")
+    try:
+        return mesh_shape(world_size, None, shard, ranks_per_host())
+    except ValueError as e:
+        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+
+
 def build_mesh(cfg):
-    """The mesh of strategy.shard_size (null: the ranks of one host, as the launcher says)."""
-    from minidist.mesh import init_mesh
+    """minidist's mesh for strategy.shard_size (see mesh_dims)."""
+    import torch.distributed as dist
 
     import minidist
 
-    shard = cfg.get("shard_size")
-    try:
-        mesh = init_mesh(shard=None if shard is None else int(shard))
-    except ValueError as e:
-        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+    replicate, shard = mesh_dims(cfg, dist.get_world_size())
+    mesh = minidist.init_mesh(replicate=replicate, shard=shard)
     minidist.print0(str(mesh))
     return mesh
 
@@ -398,13 +409,7 @@ class NativeHSDP(NativeFSDP):
     def _mesh_kwargs(self) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from minidist.mesh import mesh_shape, ranks_per_host
-
-        shard = self.cfg.get("shard_size")
-        try:
-            R, S = mesh_shape(self.ctx.world_size, None, None if shard is None else int(shard), ranks_per_host())
-        except ValueError as e:
-            raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+        R, S = mesh_dims(self.cfg, self.ctx.world_size)
         device = "cuda" if self.ctx.device.type == "cuda" else "cpu"
         self.shard_size = S
         # The profiler's c10d events do not say their group: HSDP all_reduces across the R
