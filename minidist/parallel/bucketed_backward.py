@@ -20,6 +20,7 @@ import torch
 
 from minidist import comm
 from minidist.buckets import Bucket
+from minidist.parallel.sharded_grad import local_grad
 
 
 class GradientSyncSwitch:
@@ -153,7 +154,7 @@ class BucketedBackward(GradientSyncSwitch):
                     "find_unused_parameters=True.")
             for i in missing:
                 # Unused here: contribute zeros (or what accumulated under no_sync).
-                self._used[i] = self._params[i].grad is not None
+                self._used[i] = local_grad(self._params[i]) is not None
                 self._mark_ready(i)
             self._launch_complete_buckets()  # whatever is left (every bucket when overlap=False)
             used_anywhere = self._used_anywhere() if self.find_unused_parameters else None

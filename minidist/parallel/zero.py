@@ -18,6 +18,15 @@ receives the average of slice r. After `optimizer.step()` the updated slices are
 all_gathered back into the full parameters (stages 1-2) or gathered on demand
 before each unit's forward and backward (stage 3, see zero3.py).
 
+Drop-in or refuse: the loop a user writes for native DDP gives native's result or
+fails at once naming the supported way (README "Drop-in"). torch.compile before or
+after wrapping trains as uncompiled (eager.py); after a synchronised backward each
+parameter's `.grad` is a placeholder that raises on use, since the averaged gradient
+exists only sharded (sharded_grad.py: use `model.clip_grad_norm_`); `state_dict()`
+waits for pending gathers, and at stage 3 refuses in favour of `full_state_dict()` /
+`sharded_state_dict()`; `load_state_dict()` also loads the master shards
+(module_state.py); stage 3 refuses double backward.
+
 This file holds what all stages share (the optimizer, clipping, checkpoints,
 memory) and stages 1-2, which reuse DataParallel's backward machinery.
 """
@@ -36,9 +45,12 @@ from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.buffer_sync import BufferSync
+from minidist.parallel.eager import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.module_state import ModuleStateHooks
 from minidist.parallel.replicas import ReplicaReduce
+from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.zero_join import ShardedJoin
 
 CHECKPOINT_FORMAT = "minidist.sharded.v1"
@@ -46,6 +58,10 @@ CHECKPOINT_FORMAT = "minidist.sharded.v1"
 
 class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
+
+    After backward, the averaged gradient is in `model.optimizer`'s parameters (this rank's
+    shard); every module parameter's `.grad` raises if read (see sharded_grad.py), so clip with
+    `model.clip_grad_norm_`, not torch.nn.utils.clip_grad_norm_.
 
     Args:
         module: the model, the same on every rank.
@@ -66,6 +82,10 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
             their reduce_scatter at once (bounds peak memory; backward waits beyond it).
         unit_policy, min_unit_params, prefetch: stage 3 only, see zero3.py.
+        find_unused_parameters: as native DDP's. False: a parameter that gets no gradient in a synced
+            backward raises, naming it. True: one small all_reduce per backward finds those no rank
+            used, which raise too (torch's optimizer would skip them, a flat shard cannot); those
+            unused on some ranks only train exactly as under native DDP.
         process_group: the group to shard over (default: the world).
         mesh: hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S): shard over
             the mesh's shard group (one host), replicate across its replicate group. Gradients
@@ -130,11 +150,46 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._params = [p for _, p in named]
         return named
 
+    def _check_used(self, used_here: list[bool]) -> None:
+        """Refuse parameters that got no gradient in a synced backward, where native DDP would
+        skip them and we cannot (see find_unused_parameters)."""
+        unused = [self._names[i] for i, used in enumerate(used_here) if not used]
+        if not unused:
+            if self.find_unused_parameters:
+                self._flags_all_reduce(used_here)  # every rank takes part, whatever it found
+            return
+        if not self.find_unused_parameters:
+            raise RuntimeError(
+                f"ShardedDataParallel: these parameters received no gradient in this backward on this rank: "
+                f"{', '.join(unused)}. Either use them in forward's output or set requires_grad=False on "
+                "them before wrapping" + (", or pass find_unused_parameters=True if other ranks use them "
+                                          "(stages 1-2)." if self.stage < 3 else "."))
+        used_anywhere = self._flags_all_reduce(used_here)
+        nowhere = [self._names[i] for i, used in enumerate(used_anywhere) if not used]
+        if nowhere:
+            raise RuntimeError(
+                f"ShardedDataParallel: these parameters received no gradient on any rank in this backward: "
+                f"{', '.join(nowhere)}. Native DDP leaves their .grad None, so torch's optimizer skips them "
+                "(no weight decay, no momentum, no step count); a ZeRO shard steps all its elements together, "
+                "so their update would silently differ. Use them in every forward (e.g. add 0 * their output "
+                "on the steps that skip them) or set requires_grad=False on them before wrapping.")
+
+    def _flags_all_reduce(self, used_here: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on at least one data-parallel rank (one small all_reduce)."""
+        flags = torch.tensor(used_here, dtype=torch.int32, device=self._shards[0].device)
+        comm.all_reduce(flags, group=self.dp_group)
+        return flags.bool().tolist()
+
     def _across_replicas(self, handle, reduced: torch.Tensor):
         """With a mesh: chain the all_reduce of `reduced` across the replicas behind `handle`."""
         return handle if self._replicas is None else self._replicas.after(handle, reduced)
 
     def _make_optimizer(self, optimizer_factory: Callable) -> None:
+        # Once the parameters are views into the flat shards (their compute dtype): after each synced
+        # backward .grad refuses to be read (sharded_grad.py), and model.state_dict() /
+        # load_state_dict() behave as with native DDP (module_state.py).
+        self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage)
+        ModuleStateHooks(self)
         self.optimizer = optimizer_factory([s.master for s in self._shards])
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer_factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
@@ -148,6 +203,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """Block until every updated parameter has arrived (stages 1-2 gather them asynchronously
         after optimizer.step(); forward waits by itself). Stage 3 has nothing pending."""
 
+    @eager
     def _before_forward(self, args, kwargs):
         """What every stage's forward does first: sync buffers (native DDP's rule), cast inputs."""
         src = self._join_forward(args, kwargs)  # under Join: tell the ranks that left what this forward does
@@ -307,7 +363,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                  bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
-                 **unused):
+                 find_unused_parameters: bool = False, **unused):
         nn.Module.__init__(self)
         if unused:
             raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
@@ -340,13 +396,18 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
         self._make_optimizer(optimizer_factory)
         # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
-        # Unused parameters contribute zero gradient (a flat shard cannot hold "no gradient").
+        # Without find_unused_parameters, a parameter without gradient raises when backward ends
+        # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
         self._init_bucketed_backward(self._names, self._params, overlap=(stage == 2 and overlap),
-                                     find_unused_parameters=True, world_size=self.world_size,
+                                     find_unused_parameters=find_unused_parameters, world_size=self.world_size,
                                      process_group=self.process_group)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
+        if runs_compiled_code(self.module):
+            # Compiled code may skip the per-module waits (see runs_compiled_code): every
+            # gather lands before forward starts. Eager forwards wait module by module instead.
+            self.wait_for_parameters()
         out = self.module(*args, **kwargs)
         self.wait_for_parameters()  # parameters forward did not use: current now too
         return out
@@ -359,6 +420,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             if ks:
                 module.register_forward_pre_hook(lambda *_, ks=ks: self._wait_gathers(ks))
 
+    # Not @eager: under torch.compile every gather has landed before forward (see forward), so
+    # dynamo traces this as a no-op instead of breaking the graph at every module.
     def _wait_gathers(self, ks) -> None:
         for k in ks:
             handle = self._pending_gathers.pop(k, None)
@@ -395,7 +458,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         if bucket.buffer is None:
             self._allocate(bucket)
         p, view = self._params[i], bucket.views[k]
-        if p.grad is None:
+        if local_grad(p) is None:
             view.zero_()
         else:
             torch.mul(p.grad, 1.0 / self.dp_size, out=view)  # the average over every data-parallel rank
@@ -429,7 +492,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                 self._release(bucket)
 
     def _used_anywhere(self) -> None:
-        return None  # nothing to track: unused parameters simply reduce zeros
+        return None  # _after_backward checks this rank's flags itself (_check_used)
 
     def _after_backward(self, used_anywhere) -> None:
         for k, (bucket, shard) in enumerate(zip(self._buckets, self._shards)):
@@ -443,6 +506,8 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                 shard.master.grad.add_(grad)
             if self.stage == 2:
                 self._release(bucket)
+        self._grad_placeholders.place()
+        self._check_used(self._used)
 
     # -- after the optimizer step
     def _after_optimizer_step(self) -> None:
@@ -452,6 +517,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         for k in reversed(range(len(self._shards))):
             self._pending_gathers[k] = self._shards[k].gather_full(async_op=True)
 
+    @eager
     def wait_for_parameters(self) -> None:
         """Block until every updated parameter has arrived. Forward does this by itself; call it
         to read the module's parameters between optimizer.step() and the next forward."""

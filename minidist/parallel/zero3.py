@@ -29,7 +29,9 @@ from torch import nn
 
 from minidist import comm
 from minidist.buckets import BufferPool
+from minidist.parallel.eager import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
 from minidist.parallel.zero_join import tensors_in
 
@@ -90,10 +92,20 @@ class ZeroStage3(ShardedDataParallel):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
-                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None):
+                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
+                 find_unused_parameters: bool = False):
         nn.Module.__init__(self)
+        if find_unused_parameters:
+            raise ValueError(
+                "ShardedDataParallel(stage=3) does not take find_unused_parameters=True: each unit's gradients "
+                "are reduce_scattered as its backward ends, in the order backward runs the units, and a "
+                "parameter unused on some ranks changes that order there, so the ranks' collectives would not "
+                "line up (native FSDP2 has the same restriction). Use stage 1 or 2, or set "
+                "requires_grad=False on parameters no rank uses.")
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
                            max_inflight, broadcast_buffers, collectives, mesh)
+        self.find_unused_parameters = False
+        self._got_grad = [False] * len(self._params)  # in this backward
         self.prefetch = prefetch and overlap
         self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
@@ -118,6 +130,7 @@ class ZeroStage3(ShardedDataParallel):
         self._unit_of = {i: u for u in self._units for i in u.param_ids}
         for u in self._units:
             if u.module is not None:
+                mark_hooked(u.module)
                 u.module.register_forward_pre_hook(self._make_pre_forward(u))
                 u.module.register_forward_hook(self._make_post_forward(u))
         for i, p in enumerate(self._params):
@@ -128,6 +141,7 @@ class ZeroStage3(ShardedDataParallel):
         self._last_order: list[_Unit] = []     # ... and the previous forward (for prefetching)
         # Full-size gradient buffers for reduce_scatter, reused; each can hold any unit's gradients.
         self._pool = BufferPool(capacity=max(u.shard.padded for u in self._units))
+        mark_hooked(module)
         self._make_optimizer(optimizer_factory)
 
     @property
@@ -160,21 +174,32 @@ class ZeroStage3(ShardedDataParallel):
 
     # ------------------------------------------------------------------ forward
 
+    # Under torch.compile, what gathers, frees and hooks runs as plain Python (@eager: a graph
+    # break); each unit's own computation between those points is compiled.
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
+        self._enter_forward()
+        out = self.module(*args, **kwargs)
+        self._leave_forward(out)
+        return out
+
+    @eager
+    def _enter_forward(self) -> None:
         self._order = []
         if self._root is not None:
             self._unshard(self._root)
         if self._last_order:
             self._prefetch(self._last_order[0])
-        out = self.module(*args, **kwargs)
+
+    @eager
+    def _leave_forward(self, out) -> None:
         if self._root is not None:
             self._watch_backward(self._root, out)
             self._reshard(self._root)
         self._last_order = self._order
-        return out
 
     def _make_pre_forward(self, u: _Unit):
+        @eager
         def hook(module, inputs):
             self._unshard(u)
             self._order.append(u)
@@ -182,6 +207,7 @@ class ZeroStage3(ShardedDataParallel):
         return hook
 
     def _make_post_forward(self, u: _Unit):
+        @eager
         def hook(module, inputs, output):
             self._watch_backward(u, output)
             self._reshard(u)
@@ -199,6 +225,12 @@ class ZeroStage3(ShardedDataParallel):
 
     def _make_pre_backward(self, u: _Unit):
         def hook(grad):
+            if torch.is_grad_enabled():  # autograd records the backward itself: create_graph=True
+                raise RuntimeError(
+                    "ShardedDataParallel(stage=3) does not support double backward (create_graph=True, e.g. "
+                    "a gradient penalty through torch.autograd.grad): the graph of the gradient would keep "
+                    "every unit's gathered parameters, which stage 3 frees. Use stage 1 or 2, or DataParallel; "
+                    "native FSDP2 (fully_shard) does not support it either.")
             if not self._in_backward:
                 self._start_backward()
             if not u.backward_started:
@@ -211,6 +243,7 @@ class ZeroStage3(ShardedDataParallel):
 
     def _start_backward(self) -> None:
         self._in_backward = True
+        self._got_grad = [False] * len(self._params)
         for u in self._units:
             u.ready, u.backward_started = 0, False
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -222,6 +255,7 @@ class ZeroStage3(ShardedDataParallel):
             if not self._in_backward:
                 self._start_backward()
             u = self._unit_of[i]
+            self._got_grad[i] = True
             u.ready += 1
             if u.ready == len(u.param_ids):
                 self._reduce(u)
@@ -237,7 +271,7 @@ class ZeroStage3(ShardedDataParallel):
             staging[shard.numel:].zero_()  # padding
             for slot, i in zip(shard.slots, u.param_ids):
                 p, out = self._params[i], staging[slot.offset:slot.offset + slot.numel]
-                if p.grad is None:
+                if local_grad(p) is None:
                     out.zero_()  # no gradient in this backward: contribute zeros
                 else:
                     torch.mul(p.grad.reshape(-1), 1.0 / self.dp_size, out=out)
@@ -267,11 +301,15 @@ class ZeroStage3(ShardedDataParallel):
     def _finish_backward(self) -> None:
         try:
             if self._sync_enabled:
+                # Got a gradient now, or holds one accumulated under no_sync.
+                used = [g or local_grad(p) is not None for g, p in zip(self._got_grad, self._params)]
                 for u in self._units:  # units with parameters that got no gradient: reduce zeros
                     if u.ready < len(u.param_ids):
                         self._reduce(u)
                 while self._inflight:
                     self._complete(self._inflight[0])
+                self._grad_placeholders.place()
+                self._check_used(used)
         finally:
             self._in_backward = False
             for u in self._units:

@@ -206,6 +206,7 @@ class OursZero(Strategy):
             {"bucket_cap_mb": float(self.cfg.bucket_cap_mb)}
         kwargs["broadcast_buffers"] = bool(self.cfg.get("broadcast_buffers", True))
         kwargs["collectives"] = str(self.cfg.get("collectives", "auto"))
+        kwargs["find_unused_parameters"] = bool(self.cfg.get("find_unused_parameters", False))
         if self.hybrid:
             kwargs["mesh"] = build_mesh(self.cfg)
         model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=self.stage, **kwargs)

@@ -65,7 +65,7 @@ def state_digest(module: torch.nn.Module) -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for name, t in module.state_dict().items():
+    for name, t in module.state_dict(keep_vars=True).items():  # keep_vars: ZeRO-3 refuses values
         t = local_tensor(t).detach()
         if t.untyped_storage().nbytes() < (t.storage_offset() + t.numel()) * t.element_size():
             h.update(f"{name}:freed".encode())  # ZeRO-3 frees a unit's storage between uses

@@ -1,0 +1,75 @@
+"""Drop-in or refuse: every idiom a user writes around a wrapper gives native DDP's result, on
+every rank and for the whole state_dict, or fails at once naming the supported way.
+
+The matrix (drop_in_cases.py): our strategies (ddp, zero1-3 at 2 ranks; hsdp2/3 on a 2x2 mesh
+at 4 ranks) and the native ones as references (ZeroRedundancyOptimizer, fully_shard) x the
+idioms (torch.compile before wrapping and of the wrapper, torch's clip_grad_norm_, a hand-made
+gradient-norm log, state_dict right after the step, load_state_dict mid-run, a gradient
+penalty, inference and eval() between steps, two forwards before one backward) and the models
+(dict / namedtuple outputs, activation checkpointing, a parameter unused on some steps, frozen
+parameters, tied weights, BatchNorm buffers, torchvision's resnet18).
+
+The compile cells use dynamo with the aot_eager backend here (dynamo's graphs, graph breaks and
+AOTAutograd's backward: where a wrapper's hooks meet the compiler); the slow test repeats them
+with inductor, the default backend.
+"""
+
+import pytest
+
+from drop_in_cases import expected, matrix
+
+OURS_2 = ["ddp", "zero1", "zero2", "zero3"]
+NATIVE = ["native_zero1", "native_fsdp"]
+IDIOMS = ["plain", "compile_inner", "compile_outer", "torch_clip", "grad_norm_log", "state_dict",
+          "load_state_dict", "grad_penalty", "inference_between", "eval_between", "two_forwards"]
+MODELS = ["dict", "namedtuple", "checkpoint", "unused", "unused_on_one_rank", "frozen", "batchnorm", "gpt",
+          "resnet18"]
+COMPILE = ["compile_inner", "compile_outer"]
+# Where a native reference is not drop-in itself, it is left out (its failure is not ours to test):
+# fully_shard's state_dict holds DTensors (get_model_state_dict gives plain tensors), it loads only
+# DTensors, and it refuses double backward; its compiled forms need compiled autograd; a parameter
+# used on some ranks only makes its reduce_scatters differ in order across ranks (a gloo abort);
+# it keeps each rank's own BatchNorm statistics (no buffer broadcast), unlike DDP.
+NATIVE_SKIP = {("native_fsdp", i) for i in ("state_dict", "load_state_dict", "grad_penalty", *COMPILE,
+                                                "unused_on_one_rank", "batchnorm", "resnet18")}
+
+
+def cells(strategies, idioms=IDIOMS, models=MODELS):
+    out = [(s, i, "plain") for s in strategies for i in idioms if (s, i) not in NATIVE_SKIP]
+    out += [(s, "plain", m) for s in strategies for m in models if (s, m) not in NATIVE_SKIP]
+    return out
+
+
+def check(results: list[dict]) -> None:
+    bad = []
+    for rank, per_rank in enumerate(results):
+        for (strategy, idiom, model), (outcome, detail) in per_rank.items():
+            want = expected(strategy, idiom, model)
+            if outcome != want:
+                bad.append(f"rank {rank} {strategy} x {idiom} x {model}: wanted {want}, got {outcome}: {detail}")
+    table = "\n".join(f"{s:13s} {i:18s} {m:10s} {o:8s} {d.splitlines()[0][:90]}"
+                      for (s, i, m), (o, d) in results[0].items())
+    print(table)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("strategy", OURS_2 + NATIVE)
+def test_drop_in_at_2_ranks(ranks, strategy):
+    check(ranks(2).run(matrix, cells([strategy]), timeout_s=600))
+
+
+@pytest.mark.parametrize("strategy", ["hsdp2", "hsdp3"])
+def test_drop_in_hybrid_on_a_2x2_mesh(ranks, strategy):
+    picked = [i for i in IDIOMS if i not in COMPILE]  # compiled hybrids: the slow test (4 ranks compile slowly)
+    check(ranks(4).run(matrix, cells([strategy], picked, ["dict", "unused", "unused_on_one_rank", "frozen", "gpt",
+                                                          "batchnorm"]),
+                       timeout_s=600))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, strategies", [(2, OURS_2 + ["native_zero1"]), (4, ["hsdp2", "hsdp3"])])
+def test_drop_in_compiled_with_inductor(ranks, world_size, strategies):
+    """torch.compile's default backend (inductor): C++ kernels, so within 1e-6 rather than bitwise."""
+    picked = [(s, i, m) for s in strategies for i in COMPILE for m in ("plain",)]
+    picked += [(s, "compile_outer", "gpt") for s in strategies]
+    check(ranks(world_size).run(matrix, picked, "inductor", timeout_s=1500))
