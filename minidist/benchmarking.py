@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -19,9 +20,28 @@ def rotated(names: list[str], step: int) -> list[str]:
 
 def slowest(seconds: float) -> float:
     """A step is as slow as its slowest rank (a collective: every rank must call it)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=control_device())
     comm.all_reduce(t, op=comm.ReduceOp.MAX)
     return t.item()
+
+
+def control_device(group=None) -> torch.device:
+    """Where a small control tensor for a collective on `group` must live: nccl takes CUDA tensors only."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of the median of `values` (e.g. step-by-step time ratios)."""
+    import random
+    rng = random.Random(seed)
+    n = len(values)
+    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
 class PeakSampler:

@@ -141,52 +141,31 @@ def test_sharded_data_parallel_on_nccl(nccl_pool, stage, param_dtype):
 
 def cuda_compiled_matches_native(strategy: str, placement: str, device: str = "cuda"):
     """Drop-in on CUDA (world size 1): the loop with torch.compile (inductor) under our wrapper
-    against native DDP compiled the same way, 4 AdamW steps of a small GPT. (device="cpu" runs the
-    same check on gloo.)"""
+    against native DDP compiled the same way, 4 AdamW steps of a small GPT (the drop-in matrix's
+    wrappers and clipping). device="cpu" runs the same check on gloo."""
     import copy
-    import functools
 
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import minidist
-    from minidist.train.models import GPT
+    from ddp_cases import max_rel_diff
+    from drop_in_cases import build, full_state, loss_of, wrap
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    torch.manual_seed(0)
-    base = GPT(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32).to(dev)
-    factory = functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1, eps=1e-6)
+    base = build("gpt").to(dev)
 
     def train(kind):
         torch._dynamo.reset()
-        net = copy.deepcopy(base)
-        if placement == "inner":
-            net = torch.compile(net)
-        if kind == "native":
-            model, opt = DDP(net), factory(net.parameters())
-            clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(net.parameters()), 0.5)
-        elif kind == "ddp":
-            model, opt = minidist.DataParallel(net), factory(net.parameters())
-            clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(net.parameters()), 0.5)
-        else:
-            stage = int(kind[-1])
-            model = minidist.ShardedDataParallel(net, factory, stage=stage,
-                                                 **({"min_unit_params": 1000} if stage == 3 else {}))
-            opt, clip = model.optimizer, functools.partial(model.clip_grad_norm_, 0.5)
+        plain = copy.deepcopy(base)
+        net = torch.compile(plain) if placement == "inner" else plain
+        model, opt, clip = wrap(kind, net, False, "gpt")
         forward = torch.compile(model) if placement == "outer" else model
         g = torch.Generator().manual_seed(0)
         for _ in range(4):
-            x = torch.randint(0, 64, (4, 16), generator=g).to(dev)
-            GPT.loss(forward(x).float(), torch.roll(x, -1, 1)).backward()
+            x = torch.randint(0, 64, (4, 8), generator=g).to(dev)
+            loss_of(forward(x).float(), torch.roll(x, -1, 1)).backward()
             clip()
             opt.step()
             opt.zero_grad()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        state = model.full_state_dict() if hasattr(model, "sharded_state_dict") else net.state_dict()
-        return {k.replace("_orig_mod.", ""): v.detach().clone() for k, v in state.items()}
+        return {k: v.cpu() for k, v in full_state(kind, model, plain).items()}
 
-    from ddp_cases import max_rel_diff
-    mine, theirs = train(strategy), train("native")
-    return max_rel_diff({k: v.cpu() for k, v in mine.items()}, {k: v.cpu() for k, v in theirs.items()})[0]
+    return max_rel_diff(train(strategy), train("native_ddp"))[0]
 
 
 @needs_cuda
