@@ -71,9 +71,35 @@ def render() -> str:
         "`tests/test_drop_in.py` (CPU) and `tests/test_gpu.py` (CUDA).",
         "",
     ]
-    for path in sorted(DATA.glob("compile_*.json")):
-        lines += section(path.name, json.loads(path.read_text()))
+    results = {path.name: json.loads(path.read_text()) for path in sorted(DATA.glob("compile_*.json"))}
+    for name, r in results.items():
+        lines += section(name, r)
+    lines += placement_section(list(results.values()))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def placement_section(results: list[dict]) -> list[str]:
+    """Per machine and variant: which placement stays closer to native DDP compiled the same way
+    (decided only where the two ratios' 95% intervals do not overlap)."""
+    lines = ["## Which placement", "",
+             "Each placement's ratio is to native DDP compiled the same way; a placement is named only where "
+             "its interval lies wholly below the other's.", "",
+             "| machine | variant | module compiled before wrapping | wrapper compiled | closer to native |",
+             "| --- | --- | --- | --- | --- |"]
+    by_machine: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        by_machine.setdefault((r["device"], r["world_size"]), {})[r["placement"]] = r
+    for (device, world), runs in sorted(by_machine.items()):
+        if set(runs) != {"inner", "outer"}:
+            continue
+        for variant in runs["inner"]["variants"]:
+            if variant.startswith("native") or variant not in runs["outer"]["variants"]:
+                continue
+            (ilo, ihi), (olo, ohi) = (runs[p]["variants"][variant]["ratio_ci95"] for p in ("inner", "outer"))
+            closer = "before wrapping" if ihi < olo else "the wrapper" if ohi < ilo else "either (intervals overlap)"
+            lines.append(f"| {device}, {world} rank{'s' if world > 1 else ''} | {variant} | {ilo:.3f}-{ihi:.3f} | "
+                         f"{olo:.3f}-{ohi:.3f} | {closer} |")
+    return lines + [""]
 
 
 def main(argv=None) -> int:
