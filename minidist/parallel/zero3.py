@@ -303,13 +303,18 @@ class ZeroStage3(ShardedDataParallel):
             if self._sync_enabled:
                 # Got a gradient now, or holds one accumulated under no_sync.
                 used = [g or local_grad(p) is not None for g, p in zip(self._got_grad, self._params)]
-                for u in self._units:  # units with parameters that got no gradient: reduce zeros
+                if not all(used):
+                    # Raise before reducing anything more: another rank may have reduced that unit
+                    # mid-backward, and a late reduce here would cross the ranks' collectives.
+                    while self._inflight:
+                        self._complete(self._inflight[0])
+                    self._check_used(used)
+                for u in self._units:  # units holding gradients accumulated under no_sync only
                     if u.ready < len(u.param_ids):
                         self._reduce(u)
                 while self._inflight:
                     self._complete(self._inflight[0])
                 self._grad_placeholders.place()
-                self._check_used(used)
         finally:
             self._in_backward = False
             for u in self._units:
