@@ -97,13 +97,17 @@ def build(model: str) -> nn.Module:
     if model == "resnet18":  # torchvision's: BatchNorm everywhere, not written by us
         import torchvision
         return torchvision.models.resnet18(num_classes=8)
+    if model == "hf_gpt2":  # Hugging Face's: tied head, dropout, a ModelOutput (a dict) as output
+        from transformers import GPT2Config, GPT2LMHeadModel
+        return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                          bos_token_id=0, eos_token_id=0))
     return Net(model)
 
 
 def batch(model: str, step: int, rank: int, n: int):
     g = torch.Generator().manual_seed(step)
     rows = PER_RANK * n
-    if model == "gpt":
+    if model in ("gpt", "hf_gpt2"):
         x = torch.randint(0, 64, (rows, 8), generator=g)
         y = torch.roll(x, -1, dims=1)
     elif model == "resnet18":

@@ -7,7 +7,8 @@ idioms (torch.compile before wrapping and of the wrapper, torch's clip_grad_norm
 gradient-norm log, state_dict right after the step, load_state_dict mid-run, a gradient
 penalty, inference and eval() between steps, two forwards before one backward) and the models
 (dict / namedtuple outputs, activation checkpointing, a parameter unused on some steps, frozen
-parameters, tied weights, BatchNorm buffers, torchvision's resnet18).
+parameters, tied weights, BatchNorm buffers, torchvision's resnet18; Hugging Face's GPT-2 where
+transformers is installed).
 
 The compile cells use dynamo with the aot_eager backend here (dynamo's graphs, graph breaks and
 AOTAutograd's backward: where a wrapper's hooks meet the compiler); the slow test repeats them
@@ -64,6 +65,16 @@ def test_drop_in_hybrid_on_a_2x2_mesh(ranks, strategy):
     check(ranks(4).run(matrix, cells([strategy], picked, ["dict", "unused", "unused_on_one_rank", "frozen", "gpt",
                                                           "batchnorm"]),
                        timeout_s=600))
+
+
+@pytest.mark.slow
+def test_drop_in_hugging_face_gpt2(ranks):
+    """A model none of us wrote, from the transformers package where it is installed (it is no
+    dependency of minidist): GPT-2 with its tied head, dropout and ModelOutput."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    picked = [(s, i, "hf_gpt2") for s in OURS_2 for i in ("plain", "compile_outer", "state_dict", "torch_clip")]
+    picked += [(s, "plain", "hf_gpt2") for s in NATIVE]
+    check(ranks(2).run(matrix, picked, timeout_s=600))
 
 
 @pytest.mark.slow
