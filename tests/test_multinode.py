@@ -26,6 +26,7 @@ def namespaces_available() -> str | None:
     return None
 
 
+@pytest.mark.slow  # root-only emulated hosts: `make test-all` (and CI) run it, as the Makefile says
 @pytest.mark.timeout(600)  # the script bounds each of its 2 sweeps by TIMEOUT_S
 def test_two_emulated_hosts_train_like_one(tmp_path):
     reason = namespaces_available()
