@@ -7,8 +7,11 @@
         model.pt, optimizer.pt            full strategies (single, ddp, native_*): rank 0 writes
         shard_rank00000.pt ..., layout.pt sharded strategies (zero1/2/3): every rank writes its shard
 
-Atomic: every rank writes into `.step_XXXXXXXX.tmp`, and only when all have finished
-does rank 0 rename it to `step_XXXXXXXX`. A rename is atomic, so a process killed
+Safe to open: minidist saves only tensors and plain containers, and reads every file with
+torch.load(weights_only=True) (safe_load.py); a file holding anything else is refused, naming it.
+
+Atomic and durable: every rank writes into `.step_XXXXXXXX.tmp` and fsyncs it; only when all
+have finished does rank 0 rename it to `step_XXXXXXXX`. A rename is atomic, so a process killed
 while saving leaves a `.tmp` folder that is never mistaken for a checkpoint (and
 is removed by the next save).
 
@@ -17,6 +20,7 @@ is removed by the next save).
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -27,6 +31,7 @@ import torch
 
 from minidist import comm
 from minidist.train.errors import ConfigError
+from minidist.train.safe_load import load_tensors, verify_checkpoint_files
 from minidist.train.strategy import shard_path
 
 FORMAT = "minidist.train.v1"
@@ -56,7 +61,7 @@ def read_meta(ckpt: Path) -> dict:
     if not meta_file.is_file():
         raise ConfigError(f"{ckpt} is not a minidist checkpoint (no meta.pt): give trainer.resume a "
                           "checkpoints/step_XXXXXXXX folder, auto, or none")
-    meta = torch.load(meta_file, map_location="cpu", weights_only=False)
+    meta = load_tensors(meta_file)
     if meta.get("format") != FORMAT:
         raise ConfigError(f"{ckpt} has format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
@@ -108,26 +113,44 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     torch.save(rank_state(strategy.net), rank_path(tmp, rank))
     if rank == 0:
         torch.save({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
-    comm.barrier()  # every rank's files are on disk
+    comm.barrier()  # every rank's files are written
+    sync_to_disk(tmp)  # ... and on disk, on every host, before the rename makes them a checkpoint
+    comm.barrier()
     if rank == 0:
         if final.exists():  # the same step saved again (a resumed run): replace it
             shutil.rmtree(final)
         tmp.rename(final)
+        sync_to_disk(root, files=False)  # the rename itself survives a power loss
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old)
     comm.barrier()
     return final
 
 
+def sync_to_disk(folder: Path, files: bool = True) -> None:
+    """fsync every file under `folder` (each host its own writes: every rank calls it), then the
+    folders themselves, so that a power loss after the rename cannot leave a checkpoint that looks
+    complete with missing data."""
+    folder = Path(folder)
+    targets = [p for p in folder.rglob("*") if p.is_file()] if files else []
+    targets += [p for p in folder.rglob("*") if p.is_dir()] if files else []
+    for path in [*targets, folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def saved_shapes(ckpt: Path, meta: dict, rank: int = 0) -> dict[str, tuple]:
     """Parameter (and, for full checkpoints, buffer) shapes a checkpoint holds, by state_dict key."""
     ckpt = Path(ckpt)
     if meta["sharded"]:
-        shard = torch.load(shard_path(ckpt, rank), map_location="cpu", weights_only=False)
-        layout = torch.load(ckpt / "layout.pt", weights_only=False)
+        shard = load_tensors(shard_path(ckpt, rank))
+        layout = load_tensors(ckpt / "layout.pt")
         by_param = {name: tuple(shape) for name, shape in shard["shapes"].items()}
         return {key: by_param[name] for key, name in layout["params"].items() if name in by_param}
-    return {k: tuple(v.shape) for k, v in torch.load(ckpt / "model.pt", map_location="cpu", mmap=True).items()}
+    return {k: tuple(v.shape) for k, v in load_tensors(ckpt / "model.pt", mmap=True).items()}
 
 
 def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
@@ -149,7 +172,7 @@ def load_checkpoint(ckpt: Path, strategy) -> dict:
     """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
     meta = read_meta(ckpt)
     strategy.load(Path(ckpt), meta.get("shards", meta["world_size"]))
-    load_rank_state(torch.load(rank_path(ckpt, strategy.ctx.rank), weights_only=False), strategy.net)
+    load_rank_state(load_tensors(rank_path(ckpt, strategy.ctx.rank)), strategy.net)
     return meta
 
 
@@ -159,12 +182,12 @@ def load_checkpoint(ckpt: Path, strategy) -> dict:
 def consolidate(ckpt: Path) -> dict:
     """The plain state_dict of the bare model from any strategy's checkpoint (no process group)."""
     ckpt = Path(ckpt)
+    verify_checkpoint_files(ckpt)  # every file, before any is used
     meta = read_meta(ckpt)
     if not meta["sharded"]:
-        return torch.load(ckpt / "model.pt", map_location="cpu")
-    shards = [torch.load(shard_path(ckpt, r), map_location="cpu", weights_only=False)
-              for r in range(meta.get("shards", meta["world_size"]))]
-    layout = torch.load(ckpt / "layout.pt", weights_only=False)
+        return load_tensors(ckpt / "model.pt")
+    shards = [load_tensors(shard_path(ckpt, r)) for r in range(meta.get("shards", meta["world_size"]))]
+    layout = load_tensors(ckpt / "layout.pt")
     params = {}
     for name, shape in shards[0]["shapes"].items():
         flat = torch.empty(int(torch.Size(shape).numel()))

@@ -12,6 +12,7 @@ import torch
 
 from minidist.train import data as data_mod
 from minidist.train.checkpoint import check_fits, latest_checkpoint, read_meta
+from minidist.train.safe_load import verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import build_model
@@ -62,6 +63,7 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
+    verify_checkpoint_files(ckpt)  # no file of it runs code when opened (safe_load.py)
     meta = read_meta(ckpt)
     saved = meta["config"]
     if saved["model"] != _plain(cfg.model):

@@ -35,6 +35,7 @@ import torch
 
 from minidist.memory import measure
 from minidist.train.errors import ConfigError
+from minidist.train.safe_load import verify_checkpoint_files
 from minidist.train.strategy import Strategy
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
@@ -151,6 +152,9 @@ class DeepSpeedZero(Strategy):
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
 
     def load(self, directory, saved_shards):
+        # DeepSpeed's loader unpickles without restriction: first prove every file holds only
+        # tensors, containers and DeepSpeed's three plain classes (safe_load.py).
+        verify_checkpoint_files(directory)
         path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag="state",
                                               load_lr_scheduler_states=False)
         if path is None:

@@ -36,6 +36,7 @@ from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
 from minidist.train.errors import ConfigError
+from minidist.train.safe_load import load_tensors
 
 OURS = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
 NATIVE = ("native_ddp", "native_zero1", "native_fsdp", "native_hsdp")
@@ -122,9 +123,8 @@ class Strategy:
 
     def load(self, directory: Path, saved_shards: int) -> None:
         """Restore what `save` wrote (every rank reads the full files)."""
-        self.load_full_state_dict(torch.load(directory / "model.pt", map_location=self.ctx.device))
-        self.load_optimizer_state_dict(torch.load(directory / "optimizer.pt", map_location=self.ctx.device,
-                                                  weights_only=False))
+        self.load_full_state_dict(load_tensors(directory / "model.pt", map_location=self.ctx.device))
+        self.load_optimizer_state_dict(load_tensors(directory / "optimizer.pt", map_location=self.ctx.device))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
@@ -240,10 +240,9 @@ class OursZero(Strategy):
 
     def load(self, directory, saved_shards):
         if saved_shards == self.model.world_size:
-            state = torch.load(shard_path(directory, self.model.rank), map_location="cpu", weights_only=False)
+            state = load_tensors(shard_path(directory, self.model.rank))
         else:  # another shard count (world size or mesh): every saved shard, re-cut for this one
-            state = [torch.load(shard_path(directory, r), map_location="cpu", weights_only=False)
-                     for r in range(saved_shards)]
+            state = [load_tensors(shard_path(directory, r)) for r in range(saved_shards)]
         self.model.load_sharded_state_dict(state)
 
     def memory_report(self):

@@ -1,0 +1,79 @@
+"""Opening a checkpoint never runs code: every file is read with torch.load(weights_only=True).
+
+A checkpoint directory may come from anywhere (a shared file system, a downloaded run).
+A pickle can name any Python callable, and `torch.load(weights_only=False)` calls it.
+So minidist saves only tensors and plain containers (dicts, lists, tuples, numbers,
+strings), and reads every file with torch's restricted unpickler, which refuses
+anything else before it is constructed.
+
+    state = load_tensors(path)                 # CheckpointRefused (a ConfigError) names the file
+    verify_checkpoint_files(ckpt)              # every file of a checkpoint, before anything loads
+
+DeepSpeed's own checkpoint files (ds_zero*) hold three small DeepSpeed classes besides
+tensors, and DeepSpeed's loader unpickles without restriction. Before a directory is
+handed to it, each of its files must load under the restricted unpickler with those
+three classes, and nothing else, allowed: then the full unpickler can resolve nothing
+beyond them either.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minidist.train.errors import ConfigError
+
+DEEPSPEED_DIR = "deepspeed"  # where the ds_zero* strategies keep DeepSpeed's own files
+
+
+class CheckpointRefused(ConfigError):
+    """A checkpoint file that is not only tensors and plain containers, or cannot be read."""
+
+
+def deepspeed_classes() -> list:
+    """The classes DeepSpeed's own checkpoints pickle (checked against deepspeed 0.19)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_tensors(path: Path, map_location="cpu", mmap: bool = False, allow: list | None = None) -> Any:
+    """torch.load with weights_only=True; a file holding anything else is refused, naming it."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allow or [])):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            except RuntimeError as e:
+                if not (mmap and "mmap" in str(e)):
+                    raise
+                # not torch.save's zip format (a bare pickle): read it whole, still restricted
+                return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
+        raise CheckpointRefused(
+            f"{path} was not loaded: it holds Python objects other than tensors and plain containers "
+            f"({detail[:160]}), which minidist never saves, so nothing in it was run. Use a checkpoint that "
+            "minidist wrote; if this one was tampered with or comes from other code, do not resume from it.") from e
+    except FileNotFoundError:
+        raise
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointRefused(f"{path} could not be read ({str(e).splitlines()[0][:160]}): the file is "
+                                "truncated or not a torch checkpoint; resume from another checkpoint") from e
+
+
+def verify_checkpoint_files(ckpt: Path) -> None:
+    """Open every file of checkpoint `ckpt` under the restricted unpickler (memory-mapped, so cheap);
+    raise CheckpointRefused naming the first that fails."""
+    ckpt = Path(ckpt)
+    ds_allow = None
+    for path in sorted(ckpt.rglob("*.pt")):
+        allow = None
+        if DEEPSPEED_DIR in path.relative_to(ckpt).parts:
+            ds_allow = ds_allow if ds_allow is not None else deepspeed_classes()
+            allow = ds_allow
+        load_tensors(path, mmap=True, allow=allow)

@@ -1,0 +1,109 @@
+"""Opening a checkpoint never runs code: a tampered file of any checkpoint kind is refused, by the
+resume check and by `python -m minidist.checkpoint consolidate`, naming the file, and the code
+in it never runs (a marker file it would create stays absent).
+
+The tampered file is a pickle whose unpickling calls open(MARKER, "w"): with
+torch.load(weights_only=False) that creates the marker; minidist must refuse it unread.
+"""
+
+import contextlib
+import io
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from minidist.train import checkpoint
+from minidist.train.checkpoint import latest_checkpoint
+from minidist.train.config_check import check_resume_matches
+from minidist.train.safe_load import CheckpointRefused
+from train_cases import PYTHON, RECIPE, ROOT, compose_cfg, tiny, tiny_overrides, train_on_rank
+
+KINDS = {  # kind: (strategy, overrides, the files replaced in turn)
+    "full": ("ddp", [], ["meta.pt", "optimizer.pt", "model.pt", "rank00001.pt"]),
+    "sharded": ("zero2", [], ["shard_rank00001.pt", "layout.pt"]),
+    "hybrid": ("hsdp2", ["strategy.shard_size=1"], ["shard_rank00000.pt", "rank00000.pt"]),
+    "deepspeed": ("ds_zero2", [], ["deepspeed/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+}
+
+
+class RunsCode:
+    """Unpickling this calls open(path, "w"): the marker file appears if the pickle is trusted."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(ranks, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for kind, (strategy, overrides, _) in KINDS.items():
+        if strategy.startswith("ds_"):
+            pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
+        run_dir = root / kind
+        ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", *overrides, strategy=strategy), str(run_dir),
+                     timeout_s=240)
+        out[kind] = latest_checkpoint(run_dir)
+    return out
+
+
+def tampered(checkpoints, kind: str, name: str, tmp_path):
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(checkpoints[kind], ckpt)
+    marker = tmp_path / "code_ran"
+    torch.save({"format": "minidist.train.v1", "step": 2, "payload": RunsCode(marker)}, ckpt / name)
+    return ckpt, marker
+
+
+@pytest.mark.parametrize("kind, name", [(k, n) for k, (_, _, names) in KINDS.items() for n in names])
+def test_tampered_file_is_refused_by_resume_and_consolidate(checkpoints, kind, name, tmp_path):
+    strategy, overrides, _ = KINDS[kind]
+    ckpt, marker = tampered(checkpoints, kind, name, tmp_path)
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", *overrides, strategy=strategy))
+    with pytest.raises(CheckpointRefused, match=rf"{name.split('/')[-1]} was not loaded: .* nothing in it was run"):
+        check_resume_matches(cfg, ckpt, 2)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
+    assert name.split("/")[-1] in err.getvalue() and "was not loaded" in err.getvalue(), err.getvalue()
+    assert not marker.exists(), "the tampered pickle's code ran"
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_truncated_file_is_named(checkpoints, tmp_path):
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(checkpoints["full"], ckpt)
+    data = (ckpt / "meta.pt").read_bytes()
+    (ckpt / "meta.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointRefused, match="meta.pt could not be read .* truncated"):
+        check_resume_matches(compose_cfg(tiny_overrides("trainer.max_steps=2")), ckpt, 2)
+
+
+def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path):
+    ckpt, marker = tampered(checkpoints, "full", "optimizer.pt", tmp_path)
+    out = subprocess.run([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=3", f"trainer.resume={ckpt}"),
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: ") and "optimizer.pt was not loaded" in lines[0], lines[0]
+    assert not marker.exists()
+
+
+def test_every_file_and_folder_is_synced_to_disk(tmp_path, monkeypatch):
+    """Durability: what save_checkpoint fsyncs before its rename (each rank) and after it (rank 0)."""
+    import os
+    (tmp_path / "ckpt" / "deepspeed").mkdir(parents=True)
+    for name in ("meta.pt", "rank00000.pt", "deepspeed/state.pt"):
+        (tmp_path / "ckpt" / name).write_bytes(b"x")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    checkpoint.sync_to_disk(tmp_path / "ckpt")
+    expected = {str(tmp_path / "ckpt" / n) for n in ("meta.pt", "rank00000.pt", "deepspeed/state.pt", "deepspeed", "")}
+    assert {s.rstrip("/") for s in synced} == {e.rstrip("/") for e in expected}
