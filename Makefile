@@ -5,16 +5,18 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # make train: one rank per GPU where there are GPUs, else 2 on CPU (launcher.nproc=auto); NPROC=N overrides.
 NPROC ?=
+# The versions the suite and the documents were measured with; CONSTRAINTS= installs without pins.
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: setup train test test-all tour bench-collectives clean
 
 setup: $(STAMP)
 
-# Reinstall when the project's dependencies change.
-$(STAMP): pyproject.toml
+# Reinstall when the project's dependencies or their pins change.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 # The main job: minidist ddp, gpt_nano on the embedded stdlib_text, NPROC local ranks.
