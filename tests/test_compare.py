@@ -213,3 +213,6 @@ def test_references_and_theory():
     import torch
 
     assert max_state_difference({"w": torch.zeros(3)}, {"w": torch.tensor([0.0, 0.5, -1.0])}) == 1.0
+    # a key in one state only is a difference too (it used to be skipped)
+    assert max_state_difference({"w": torch.zeros(3), "b": torch.zeros(1)}, {"w": torch.zeros(3)}) == float("inf")
+    assert max_state_difference({"w": torch.zeros(3)}, {"w": torch.zeros(3), "b": torch.zeros(1)}) == float("inf")

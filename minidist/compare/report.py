@@ -41,9 +41,12 @@ def reference_for(name: str, names: list[str], references: dict) -> str | None:
 
 
 def max_state_difference(a: dict, b: dict) -> float:
-    """Largest |a - b| over the keys both state_dicts hold (inf when a shape differs)."""
+    """Largest |a - b| over the two state_dicts; inf when a key is in one only or a shape differs
+    (a missing or extra tensor is a difference, not something to skip)."""
+    if a.keys() != b.keys():
+        return float("inf")
     worst = 0.0
-    for key in a.keys() & b.keys():
+    for key in a:
         x, y = a[key], b[key]
         if x.shape != y.shape:
             return float("inf")
