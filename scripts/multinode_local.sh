@@ -16,7 +16,7 @@
 # Arguments are trainer overrides for every run. Needs root (ip netns); without it, it says so and
 # exits 3. Namespaces, links and processes are removed whatever happens (trap on EXIT).
 # Environment: HOSTS (2), NPROC_PER_HOST (2), STRATEGIES ("ddp zero2"), OUT (a new temp folder),
-# PREFIX (md: names of namespaces and links), TIMEOUT_S per sweep (300), PYTHON (.venv/bin/python),
+# PREFIX (md: names of namespaces and links), TIMEOUT_S per sweep (300), PYTHON (.venv/bin/python, else python3 on PATH),
 # REFERENCE (ddp), TOLERANCE (1e-6), TWINS ("all": the strategies that also get a single-host twin
 # run for the bitwise check; others are only checked against REFERENCE, which must be a twin).
 set -uo pipefail
@@ -29,13 +29,13 @@ TOLERANCE=${TOLERANCE:-1e-6}
 TWINS=${TWINS:-all}
 PREFIX=${PREFIX:-md}
 TIMEOUT_S=${TIMEOUT_S:-300}
-PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-multinode.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ "$(id -u)" != 0 ]; then  # before anything is read: this may run from stdin, as a user who cannot read the checkout
     echo "multinode_local: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
     exit 3
 fi
+. scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 
 netns_require_root "$0"

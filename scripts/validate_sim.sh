@@ -13,7 +13,7 @@
 #
 # Environment: HOSTS (2), NPROC_PER_HOST (2), RATE (200mbit), PARAMS (fp32 values
 # per step, 1048576), MESSAGES (2), REPS (3), TOLERANCE (0.25), OUT (a new temp folder), PREFIX
-# (ms), TIMEOUT_S (300), PYTHON (.venv/bin/python). Needs root; without it, exit 3.
+# (ms), TIMEOUT_S (300), PYTHON (.venv/bin/python, else python3 on PATH). Needs root; without it, exit 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${HOSTS:-2}
@@ -25,13 +25,13 @@ REPS=${REPS:-3}
 TOLERANCE=${TOLERANCE:-0.25}
 PREFIX=${PREFIX:-ms}
 TIMEOUT_S=${TIMEOUT_S:-300}
-PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-validate-sim.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ "$(id -u)" != 0 ]; then
     echo "validate_sim: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
     exit 3
 fi
+. scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 
 netns_require_root "$0"

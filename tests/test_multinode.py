@@ -4,7 +4,9 @@ zero2: bitwise); hybrid sharding (hsdp2, hsdp3) and hierarchical all_reduce, the
 found from the host layout, end within 1e-6 of ddp."""
 
 import os
+import shutil
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -61,3 +63,16 @@ def test_without_root_it_says_so(script):
                          env={**os.environ}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stderr
     assert f"{script.removesuffix('.sh')}: cannot create network namespaces here (needs root" in out.stderr
+
+
+def test_without_a_python_it_says_run_make_setup(tmp_path):
+    """A clone where `make` has not run and no python3 on PATH has torch: one line, exit 2."""
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    out = subprocess.run(["/bin/bash", "-c", ". scripts/lib/python.sh; echo chose $PYTHON"], cwd=tmp_path,
+                         env={"PATH": "/nonexistent"}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "run 'make setup' first" in out.stderr and not out.stdout, out
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    out = subprocess.run(["/bin/bash", "-c", ". scripts/lib/python.sh; echo chose $PYTHON"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "chose .venv/bin/python", out
