@@ -22,6 +22,11 @@ def divergent(kind: str):
                     comm.all_reduce(torch.ones(4))
                 else:
                     comm.broadcast(torch.ones(4), src=0)
+            elif kind == "order":  # the same two collectives, in the other order on rank 1
+                calls = [lambda: comm.all_reduce(torch.ones(4)),
+                         lambda: comm.all_gather_into(torch.empty(8), torch.ones(4))]
+                for call in (calls if rank == 0 else calls[::-1]):
+                    call()
             return "no error"
         except comm.CollectiveMismatch as e:
             comm.all_reduce(torch.ones(2))  # the ranks are still in step: collectives go on working
@@ -34,6 +39,7 @@ def divergent(kind: str):
     ("size", ["rank 0 issued collective #3 all_reduce of 16 bytes (float32)",
               "rank 1 issued collective #3 all_reduce of 20 bytes (float32)"]),
     ("op", ["rank 0 issued collective #3 all_reduce", "rank 1 issued collective #3 broadcast"]),
+    ("order", ["rank 0 issued collective #3 all_reduce", "rank 1 issued collective #3 all_gather"]),
 ])
 def test_divergent_rank_raises_on_every_rank(ranks, kind, expect):
     out = ranks(2).run(divergent, kind, timeout_s=60)
