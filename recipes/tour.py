@@ -240,18 +240,23 @@ class Tour:
             buf = torch.zeros(1)
             req = comm.irecv(buf, src=1 - self.rank, group=group)  # both ranks receive first ...
             start = time.perf_counter()
+            why = "returned"
             try:
                 req.wait(timeout=timeout)                           # ... and nobody ever sends
                 outcome[0] = -1.0
-            except RuntimeError:
-                outcome[0] = round(time.perf_counter() - start, 1)
+            except RuntimeError as e:
+                waited = time.perf_counter() - start
+                # The timeout fired only if the wait lasted it and says so (not another error).
+                fired = waited >= 0.9 * timeout and "timed out" in str(e).lower()
+                outcome[0] = round(waited, 1) if fired else -1.0
+                why = f"failed after {waited:.1f} s with: {str(e).splitlines()[0][:120]}"
         self.step(f"pitfall: both ranks recv first -> deadlock (shown with a {timeout:g} s timeout)",
                   None, outcome if self.rank in (0, 1) else None, None,
                   "Ranks 0 and 1 each wait to receive before sending, so neither ever sends. Without a\n"
                   "timeout this hangs forever; here each gave up after the time shown. Fix: order the\n"
                   "calls (one sends first), or post isend/irecv and wait on both, as in step 2.")
         if self.rank in (0, 1) and not outcome[0] > 0:
-            self.failed.append("deadlock demo did not time out")
+            self.failed.append(f"deadlock demo did not time out after {timeout:g} s (the wait {why})")
 
 
 def tour_main(cfg_dict: dict) -> list[str]:
