@@ -107,3 +107,21 @@ def test_every_file_and_folder_is_synced_to_disk(tmp_path, monkeypatch):
     checkpoint.sync_to_disk(tmp_path / "ckpt")
     expected = {str(tmp_path / "ckpt" / n) for n in ("meta.pt", "rank00000.pt", "deepspeed/state.pt", "deepspeed", "")}
     assert {s.rstrip("/") for s in synced} == {e.rstrip("/") for e in expected}
+
+
+def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, tmp_path, capsys):
+    from minidist.train.config_check import resolve_resume
+    from minidist.train.errors import ConfigError
+    run_dir = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(checkpoints["full"], run_dir / "checkpoints" / f"step_{step:08d}")
+    newest = run_dir / "checkpoints" / "step_00000004" / "meta.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, e.g. by a full disk
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", "trainer.resume=auto"))
+    assert resolve_resume(cfg, run_dir).name == "step_00000002"
+    said = capsys.readouterr().out
+    assert "skipping step_00000004" in said and "meta.pt could not be read" in said, said
+    older = run_dir / "checkpoints" / "step_00000002" / "optimizer.pt"
+    older.write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="none of the 2 checkpoints .* can be read"):
+        resolve_resume(cfg, run_dir)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
+from minidist.dist import print0
 from minidist.train import data as data_mod
-from minidist.train.checkpoint import check_fits, latest_checkpoint, read_meta
-from minidist.train.safe_load import verify_checkpoint_files
+from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkpoints, read_meta
+from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import build_model
@@ -54,12 +55,29 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
                               "train over them: use trainer.resume=auto to continue, or a new hydra.run.dir")
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return newest_readable_checkpoint(run_dir)
     path = Path(resume).expanduser()
     if not path.is_dir():
         raise ConfigError(f"trainer.resume={resume!r} is not a folder: give auto, none, or a "
                           "checkpoints/step_XXXXXXXX folder")
     return path
+
+
+def newest_readable_checkpoint(run_dir: Path) -> Path | None:
+    """trainer.resume=auto: the newest checkpoint whose every file opens (safe_load.py), saying in
+    one line each newer one skipped and why; None when there is none at all."""
+    found = list_checkpoints(run_dir)
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint_files(ckpt)
+            return ckpt
+        except CheckpointRefused as e:
+            print0(f"trainer.resume=auto: skipping {ckpt.name}, it cannot be resumed from: {e}")
+    if found:
+        raise ConfigError(f"trainer.resume=auto: none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} "
+                          "can be read (each is named above): resume from a copy you trust (trainer.resume=DIR), "
+                          "or start a new run in a new hydra.run.dir")
+    return None
 
 
 def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
