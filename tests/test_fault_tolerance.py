@@ -122,7 +122,18 @@ def leftover_processes(tag: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("strategy, op", [("zero2", "reduce_scatter")])
+def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
+    from minidist.train.hangs import collective_failure
+    late = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv operation")
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40087: Connection reset by peer")
+    other = RuntimeError("[gloo/allreduce.cc:12] Gloo all_reduce failed: tensors must have the same size")
+    assert "did not complete on this rank" in str(collective_failure(late, [], 3, "ddp", 4))
+    assert "did not complete on this rank" in str(collective_failure(gone, [], 3, "ddp", 4))
+    assert collective_failure(other, [], 3, "ddp", 4) is None  # raised as it is, not relabelled
+    assert collective_failure(ValueError("nccl: invalid argument"), [], 3, "ddp", 4) is None
+
+
+@pytest.mark.parametrize("strategy, op", [("zero2", "reduce_scatter"), ("ddp", "all_reduce")])
 def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, op):
     """Rank 1 stops before step 3: rank 0 fails after launcher.timeout_s naming step 3 and the
     collective it waited in (here our send/recv ring's, which must time out like the backend's

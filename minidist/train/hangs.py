@@ -11,8 +11,11 @@ The test stalls a rank with debug.stall_rank / debug.stall_at_step (minidist/tra
 
 from __future__ import annotations
 
-# What the backends' messages contain when a peer is gone or late (gloo, nccl, c10d).
-_SIGNS = ("timed out", "timeout", "connection", "closed", "peer", "gloo", "nccl", "socket", "broken pipe")
+# What the backends' messages contain when a peer is gone or late (gloo, nccl, c10d). Not a bare
+# "gloo" or "nccl": every backend error names its backend (a size mismatch, an invalid argument),
+# and relabelling those as a stalled peer would hide the real cause.
+_SIGNS = ("timed out", "timeout", "connection reset", "connection closed", "connection refused", "broken pipe",
+          "peer", "socket closed")
 
 
 class CollectiveFailure(RuntimeError):
