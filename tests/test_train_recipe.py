@@ -115,7 +115,7 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
     bad = [
         (["model.n_embd=48"], "trainer.resume: .* holds model"),
         (["trainer.resume=none"], "already holds checkpoints and trainer.resume=none"),
-        (["trainer.precision=fp16"], "trainer.precision=fp16"),
+        (["trainer.precision=fp32x"], "trainer.precision='fp32x'"),
     ]
     import re
     for overrides, pattern in bad:

@@ -92,6 +92,8 @@ class Strategy:
         every rank sees the same) skips the update: the parameters and optimizer state stay as
         they were. (With fp16 the gradient scaler does this itself, and lowers its scale.)"""
         scaler.unscale_(self.optimizer)
+        if scaler.is_enabled():
+            agree_on_overflow(scaler, self.optimizer, self.ctx.device)
         norm = self.clip_grad_norm_(max_norm)
         if scaler.is_enabled() or bool(torch.isfinite(norm)):
             scaler.step(self.optimizer)
@@ -134,6 +136,28 @@ class Strategy:
             "gradients": [local_tensor(p.grad) for p in self.net.parameters() if p.grad is not None],
             "optimizer_state": [local_tensor(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
         })
+
+
+def agree_on_overflow(scaler, optimizer, device) -> None:
+    """After scaler.unscale_(optimizer): make every rank's found-inf the same, the MAX over ranks.
+
+    The scaler checks the gradients this rank's optimizer holds. Under ZeRO and fully_shard that
+    is one shard, so an inf in one rank's shard would make that rank alone skip the step and lower
+    its scale, and the replicas would drift apart. One small all_reduce makes the decision global.
+    (It writes torch.amp.GradScaler's per-optimizer record of unscale_, the state step() and
+    update() read; the constraints file pins the torch it was checked against.)"""
+    import torch.distributed as dist
+
+    from minidist import comm
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    flag = torch.zeros(1, device=device)
+    for value in found.values():
+        flag += value.to(device).sum()
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    for value in found.values():
+        value.fill_(1.0 if flag.item() > 0 else 0.0)
 
 
 class Single(Strategy):

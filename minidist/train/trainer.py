@@ -109,7 +109,7 @@ class Trainer:
         self.model, self.optimizer = self.strategy.wrap(self.net, optim_cls, optim_kwargs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(t.max_steps), float(cfg.optim.min_lr_ratio)))
-        self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled=t.precision == "fp16")
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.step = 0
         debug = cfg.get("debug")
@@ -253,7 +253,9 @@ class Trainer:
                 m = self.train_step(batches)
             self.step += 1
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
-            if not math.isfinite(float(m["grad_norm"])):
+            # fp16: an overflow is the scaler's routine (it skipped the step and lowered its scale on
+            # every rank alike), not a non-finite step to count or stop for.
+            if not self.scaler.is_enabled() and not math.isfinite(float(m["grad_norm"])):
                 self._non_finite(float(m["grad_norm"]))
             history.append(m)
             if self.step % t.log_every == 0 or self.step == end:
@@ -269,6 +271,8 @@ class Trainer:
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps}
+        if self.scaler.is_enabled():
+            summary["loss_scale"] = float(self.scaler.get_scale())  # fp16: where the overflows left it
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
         # strategy (ddp, zero1/2 after the final gather), and across runs that should match.
         summary["state_digest"] = state_digest(self.net)
