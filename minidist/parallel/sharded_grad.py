@@ -16,8 +16,8 @@ silently skipping the parameter.
 
 It gets out of the way by itself: a hook on each parameter clears it just before
 autograd accumulates a new gradient (a second backward, or no_sync's local
-accumulation), and `zero_grad()` / `p.grad = None` clear it as they would any
-gradient.
+accumulation), and the module's `zero_grad()` / `p.grad = None` clear it as they would
+any gradient (`model.optimizer.zero_grad()` clears the master shards' gradients only).
 """
 
 from __future__ import annotations
