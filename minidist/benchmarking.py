@@ -20,17 +20,9 @@ def rotated(names: list[str], step: int) -> list[str]:
 
 def slowest(seconds: float) -> float:
     """A step is as slow as its slowest rank (a collective: every rank must call it)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=control_device())
+    t = torch.tensor([seconds], dtype=torch.float64, device=comm.control_device())
     comm.all_reduce(t, op=comm.ReduceOp.MAX)
     return t.item()
-
-
-def control_device(group=None) -> torch.device:
-    """Where a small control tensor for a collective on `group` must live: nccl takes CUDA tensors only."""
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,

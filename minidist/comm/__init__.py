@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from minidist.comm import check as _checks
 from minidist.comm import ring
-from minidist.comm.check import CollectiveMismatch, check_collectives  # noqa: F401  (public API)
+from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
 
 ReduceOp = dist.ReduceOp
 

@@ -47,6 +47,13 @@ def _describe(row: list[int]) -> str:
     return f"collective #{seq} {name} of {nbytes:,} bytes ({kind})"
 
 
+def control_device(group=None) -> torch.device:
+    """Where a small control tensor for a collective on `group` must live: nccl takes CUDA tensors only."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def verify(op: str, nbytes: int, dtype, group) -> None:
     """All ranks of `group` agree on this collective, or every one raises CollectiveMismatch."""
     if op in POINT_TO_POINT:
@@ -56,9 +63,7 @@ def verify(op: str, nbytes: int, dtype, group) -> None:
     _state["sequence"][key] = seq
     code = _OPS.index(op) if op in _OPS else len(_OPS)
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-        else torch.device("cpu")
-    mine = torch.tensor([seq, code, dtype_code, int(nbytes)], dtype=torch.int64, device=device)
+    mine = torch.tensor([seq, code, dtype_code, int(nbytes)], dtype=torch.int64, device=control_device(group))
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
     rows = [r.tolist() for r in rows]

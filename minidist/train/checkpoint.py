@@ -132,9 +132,7 @@ def sync_to_disk(folder: Path, files: bool = True) -> None:
     folders themselves, so that a power loss after the rename cannot leave a checkpoint that looks
     complete with missing data."""
     folder = Path(folder)
-    targets = [p for p in folder.rglob("*") if p.is_file()] if files else []
-    targets += [p for p in folder.rglob("*") if p.is_dir()] if files else []
-    for path in [*targets, folder]:
+    for path in [*(folder.rglob("*") if files else []), folder]:  # its files and folders, then itself
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
