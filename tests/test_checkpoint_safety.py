@@ -4,6 +4,9 @@ in it never runs (a marker file it would create stays absent).
 
 The tampered file is a pickle whose unpickling calls open(MARKER, "w"): with
 torch.load(weights_only=False) that creates the marker; minidist must refuse it unread.
+Two lines of defence, each tested alone: the manifest (a changed file no longer matches its
+recorded size and sha256), and, for a tamperer who rewrote the manifest too, the restricted
+unpickler.
 """
 
 import contextlib
@@ -17,6 +20,7 @@ import torch
 from minidist.train import checkpoint
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.config_check import check_resume_matches
+from minidist.train.manifest import ManifestMismatch, write_manifest
 from minidist.train.safe_load import CheckpointRefused
 from train_cases import PYTHON, RECIPE, ROOT, compose_cfg, tiny, tiny_overrides, train_on_rank
 
@@ -52,11 +56,15 @@ def checkpoints(ranks, tmp_path_factory):
     return out
 
 
-def tampered(checkpoints, kind: str, name: str, tmp_path):
+def tampered(checkpoints, kind: str, name: str, tmp_path, manifest_too: bool = True):
+    """A copy of the checkpoint with `name` replaced by a code-running pickle; with manifest_too,
+    its manifest rewritten to match (so that only the restricted unpickler stands in the way)."""
     ckpt = tmp_path / "step_00000002"
     shutil.copytree(checkpoints[kind], ckpt)
     marker = tmp_path / "code_ran"
     torch.save({"format": "minidist.train.v1", "step": 2, "payload": RunsCode(marker)}, ckpt / name)
+    if manifest_too:
+        write_manifest(ckpt)
     return ckpt, marker
 
 
@@ -75,13 +83,45 @@ def test_tampered_file_is_refused_by_resume_and_consolidate(checkpoints, kind, n
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_changed_file_fails_the_manifest(checkpoints, kind, tmp_path):
+    """Without the manifest rewritten, the changed file is refused by its checksum, unopened."""
+    name = KINDS[kind][2][0]
+    ckpt, marker = tampered(checkpoints, kind, name, tmp_path, manifest_too=False)
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", *KINDS[kind][1], strategy=KINDS[kind][0]))
+    with pytest.raises(ManifestMismatch, match=rf"{name} (has \d+ bytes, its manifest says \d+|does not match the "
+                                               r"sha256 in its manifest).* none of the checkpoint was loaded"):
+        check_resume_matches(cfg, ckpt, 2)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
+    assert name in err.getvalue() and "manifest" in err.getvalue(), err.getvalue()
+    assert not marker.exists()
+
+
+def test_a_missing_file_or_manifest_is_named(checkpoints, tmp_path):
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2"))
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(checkpoints["full"], ckpt)
+    (ckpt / "rank00001.pt").unlink()
+    with pytest.raises(ManifestMismatch, match="rank00001.pt is missing .* incomplete"):
+        check_resume_matches(cfg, ckpt, 2)
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(ManifestMismatch, match="manifest.json is missing or unreadable"):
+        check_resume_matches(cfg, ckpt, 2)
+
+
 def test_a_truncated_file_is_named(checkpoints, tmp_path):
     ckpt = tmp_path / "step_00000002"
     shutil.copytree(checkpoints["full"], ckpt)
     data = (ckpt / "meta.pt").read_bytes()
     (ckpt / "meta.pt").write_bytes(data[: len(data) // 2])
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2"))
+    with pytest.raises(ManifestMismatch, match=rf"meta.pt has {len(data) // 2} bytes, its manifest says {len(data)}"):
+        check_resume_matches(cfg, ckpt, 2)
+    write_manifest(ckpt)  # truncated before the manifest was written: the reader still names it
     with pytest.raises(CheckpointRefused, match="meta.pt could not be read .* truncated"):
-        check_resume_matches(compose_cfg(tiny_overrides("trainer.max_steps=2")), ckpt, 2)
+        check_resume_matches(cfg, ckpt, 2)
 
 
 def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path):
@@ -120,7 +160,7 @@ def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, t
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", "trainer.resume=auto"))
     assert resolve_resume(cfg, run_dir).name == "step_00000002"
     said = capsys.readouterr().out
-    assert "skipping step_00000004" in said and "meta.pt could not be read" in said, said
+    assert "skipping step_00000004" in said and "meta.pt has 100 bytes, its manifest says" in said, said
     older = run_dir / "checkpoints" / "step_00000002" / "optimizer.pt"
     older.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="none of the 2 checkpoints .* can be read"):

@@ -6,14 +6,18 @@
                              rank-local where a strategy does not broadcast them, e.g. fully_shard)
         model.pt, optimizer.pt            full strategies (single, ddp, native_*): rank 0 writes
         shard_rank00000.pt ..., layout.pt sharded strategies (zero1/2/3): every rank writes its shard
+        manifest.json        every other file's size and sha256, written last (manifest.py)
 
 Safe to open: minidist saves only tensors and plain containers, and reads every file with
 torch.load(weights_only=True) (safe_load.py); a file holding anything else is refused, naming it.
 
 Atomic and durable: every rank writes into `.step_XXXXXXXX.tmp` and fsyncs it; only when all
-have finished does rank 0 rename it to `step_XXXXXXXX`. A rename is atomic, so a process killed
-while saving leaves a `.tmp` folder that is never mistaken for a checkpoint (and
-is removed by the next save).
+have finished does rank 0 write `manifest.json` (every file's size and sha256, manifest.py) and
+rename the folder to `step_XXXXXXXX`. A rename is atomic, so a process killed while saving
+leaves a `.tmp` folder that is never mistaken for a checkpoint (and is removed at the next
+start). Before a checkpoint is used (resume, consolidate) it is checked against its manifest.
+A write that fails (a full disk, ...) stops the run with one line saying what the OS said and
+how much space is needed and free; the previous checkpoint is untouched.
 
     python -m minidist.checkpoint consolidate CKPT_DIR OUT.pt   # a plain state_dict, any strategy
 """
@@ -31,7 +35,8 @@ import torch
 
 from minidist import comm
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import load_tensors, verify_checkpoint_files
+from minidist.train.manifest import write_manifest
+from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
 from minidist.train.strategy import shard_path
 
 FORMAT = "minidist.train.v1"
@@ -97,30 +102,99 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: int) -> Path:
-    """Write the checkpoint of `step` atomically; keep the newest `keep_last`. A collective."""
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint could not be written (no space, no permission, an I/O error); the previous
+    checkpoints are untouched."""
+
+
+def remove_partial_saves(run_dir: Path) -> list[str]:
+    """Remove the `.step_*.tmp` folders a save that did not finish left behind; their names."""
+    root = Path(run_dir) / "checkpoints"
+    stale = sorted(root.glob(".step_*.tmp")) if root.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [folder.name for folder in stale]
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def _write_error(error: BaseException) -> bool:
+    """Is this the file system refusing a write (as opposed to a bug)? torch's own writer, where
+    a library writes by path (DeepSpeed), reports a short write only as "unexpected pos"."""
+    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and "inline_container" in str(error))
+
+
+def _any_rank(failed: bool, device) -> bool:
+    """Did the write fail on any rank? A collective: every rank learns it, so all stop alike."""
+    flag = torch.tensor([1.0 if failed else 0.0], device=device)
+    comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _describe_failure(error: BaseException | None, run_dir: Path, root: Path, written: int, step: int) -> str:
+    """One line: which step and folder, what the OS said, bytes needed and free, what is intact."""
+    previous = list_checkpoints(run_dir)
+    need = (f"it needs about {folder_bytes(previous[-1]) / 2**20:.1f} MiB (the size of {previous[-1].name})"
+            if previous else f"it needs more than the {written / 2**20:.1f} MiB written before the failure")
+    free = shutil.disk_usage(root).free
+    said = f"{error.__class__.__name__}: {error}" if error is not None else "another rank's write failed"
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "there is no earlier checkpoint"
+    return (f"step {step}: the checkpoint could not be written to {root} ({said}); {need}, "
+            f"{free / 2**20:.1f} MiB are free there (the partial one removed); {kept}; free space (or fix the "
+            "folder's permissions) and resume with trainer.resume=auto")
+
+
+def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: int,
+                    before_commit=None) -> Path:
+    """Write the checkpoint of `step` atomically; keep the newest `keep_last`. A collective.
+
+    `before_commit()` runs on each rank once its files are written, before the rename (fault
+    injection: debug.kill_during=save). A write that fails on any rank raises
+    CheckpointWriteFailed on every rank, with the partial folder removed and the previous
+    checkpoints untouched."""
     root = Path(run_dir) / "checkpoints"
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
     rank = strategy.ctx.rank
+    device = strategy.ctx.device
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp"):  # left by a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_partial_saves(run_dir)
         tmp.mkdir()
     comm.barrier()
-    strategy.save(tmp)
-    torch.save(rank_state(strategy.net), rank_path(tmp, rank))
+    error = None
+    try:
+        strategy.save(tmp)
+        save_tensors(rank_state(strategy.net), rank_path(tmp, rank))
+        if rank == 0:
+            save_tensors({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
+        sync_to_disk(tmp)  # on disk, on every host, before the rename makes them a checkpoint
+    except Exception as e:  # noqa: BLE001 - a write error is agreed on below; anything else re-raised
+        if not _write_error(e):
+            raise
+        error = e
+    if before_commit is not None:
+        before_commit()
+    if not _any_rank(error is not None, device) and rank == 0:  # every rank's files are written
+        try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
+            write_manifest(tmp)
+            sync_to_disk(tmp, files=False)
+            if final.exists():  # the same step saved again (a resumed run): replace it
+                shutil.rmtree(final)
+            tmp.rename(final)
+            sync_to_disk(root, files=False)  # the rename itself survives a power loss
+        except OSError as e:
+            error = e
+    if _any_rank(error is not None, device):
+        written = folder_bytes(tmp) if tmp.is_dir() else 0
+        comm.barrier()  # every rank has measured the folder before it goes
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
+        comm.barrier()
+        raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, written, step)) from error
     if rank == 0:
-        torch.save({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
-    comm.barrier()  # every rank's files are written
-    sync_to_disk(tmp)  # ... and on disk, on every host, before the rename makes them a checkpoint
-    comm.barrier()
-    if rank == 0:
-        if final.exists():  # the same step saved again (a resumed run): replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-        sync_to_disk(root, files=False)  # the rename itself survives a power loss
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old)
     comm.barrier()

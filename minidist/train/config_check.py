@@ -138,6 +138,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         kills = planned_kills(cfg.get("debug"))
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from e
+    if str(cfg.get("debug", {}).get("kill_during", "step")) not in ("step", "save"):
+        raise ConfigError(f"debug.kill_during={cfg.debug.kill_during!r} must be step (after the optimizer step) or "
+                          "save (while writing that step's checkpoint)")
     bad = [r for r, _ in kills if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"debug.kill_rank={bad[0]} is not a rank of this {world_size}-rank run: give 0..{world_size - 1}")

@@ -35,7 +35,7 @@ import torch
 
 from minidist.memory import measure
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import verify_checkpoint_files
+from minidist.train.safe_load import save_tensors, verify_checkpoint_files
 from minidist.train.strategy import Strategy
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
@@ -148,7 +148,7 @@ class DeepSpeedZero(Strategy):
     def save(self, directory):
         model = self.full_state_dict()
         if self.ctx.rank == 0:
-            torch.save(model, directory / "model.pt")  # for `python -m minidist.checkpoint consolidate`
+            save_tensors(model, directory / "model.pt")  # for `python -m minidist.checkpoint consolidate`
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
 
     def load(self, directory, saved_shards):

@@ -7,7 +7,9 @@ strings), and reads every file with torch's restricted unpickler, which refuses
 anything else before it is constructed.
 
     state = load_tensors(path)                 # CheckpointRefused (a ConfigError) names the file
-    verify_checkpoint_files(ckpt)              # every file of a checkpoint, before anything loads
+    verify_checkpoint_files(ckpt)              # its manifest, then every file, before anything loads
+    save_tensors(state, path)                  # torch.save through an opened file: a full disk is
+                                               # the OS's OSError (errno 28), not "unexpected pos"
 
 DeepSpeed's own checkpoint files (ds_zero*) hold three small DeepSpeed classes besides
 tensors, and DeepSpeed's loader unpickles without restriction. Before a directory is
@@ -24,13 +26,10 @@ from typing import Any
 
 import torch
 
-from minidist.train.errors import ConfigError
+from minidist.train.errors import CheckpointRefused  # noqa: F401  (raised here; public from here too)
+from minidist.train.manifest import verify_manifest
 
 DEEPSPEED_DIR = "deepspeed"  # where the ds_zero* strategies keep DeepSpeed's own files
-
-
-class CheckpointRefused(ConfigError):
-    """A checkpoint file that is not only tensors and plain containers, or cannot be read."""
 
 
 def deepspeed_classes() -> list:
@@ -66,10 +65,24 @@ def load_tensors(path: Path, map_location="cpu", mmap: bool = False, allow: list
                                 "truncated or not a torch checkpoint; resume from another checkpoint") from e
 
 
+def save_tensors(obj: Any, path: Path) -> None:
+    """torch.save into a file opened here: a failed write raises the OS's own OSError (errno,
+    message), where torch's path-based writer only reports "unexpected pos"."""
+    with open(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as e:  # torch's writer saw a short write: the OS's reason is the context
+            if isinstance(e.__context__, OSError):
+                os_error = e.__context__
+                raise OSError(os_error.errno, os_error.strerror, str(path)) from e
+            raise
+
+
 def verify_checkpoint_files(ckpt: Path) -> None:
-    """Open every file of checkpoint `ckpt` under the restricted unpickler (memory-mapped, so cheap);
-    raise CheckpointRefused naming the first that fails."""
+    """Check checkpoint `ckpt` against its manifest (manifest.py), then open every file under the
+    restricted unpickler (memory-mapped, so cheap); raise a ConfigError naming the first that fails."""
     ckpt = Path(ckpt)
+    verify_manifest(ckpt)
     ds_allow = None
     for path in sorted(ckpt.rglob("*.pt")):
         allow = None

@@ -36,7 +36,7 @@ from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import load_tensors
+from minidist.train.safe_load import load_tensors, save_tensors
 
 OURS = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
 NATIVE = ("native_ddp", "native_zero1", "native_fsdp", "native_hsdp")
@@ -120,8 +120,8 @@ class Strategy:
         """Write this rank's part of the model and optimizer state into `directory`. A collective."""
         model, optim = self.full_state_dict(), self.optimizer_state_dict()
         if self.ctx.rank == 0:
-            torch.save(model, directory / "model.pt")
-            torch.save(optim, directory / "optimizer.pt")
+            save_tensors(model, directory / "model.pt")
+            save_tensors(optim, directory / "optimizer.pt")
 
     def load(self, directory: Path, saved_shards: int) -> None:
         """Restore what `save` wrote (every rank reads the full files)."""
@@ -258,9 +258,9 @@ class OursZero(Strategy):
         state = self.model.sharded_state_dict()  # a collective within the shard group: every rank calls it
         mesh = self.model.mesh
         if mesh is None or mesh.replica == 0:  # one copy of each shard, whatever the number of replicas
-            torch.save(state, shard_path(directory, self.model.rank))
+            save_tensors(state, shard_path(directory, self.model.rank))
         if self.ctx.rank == 0:
-            torch.save(state_dict_layout(self.net), directory / "layout.pt")
+            save_tensors(state_dict_layout(self.net), directory / "layout.pt")
 
     def load(self, directory, saved_shards):
         if saved_shards == self.model.world_size:
