@@ -35,6 +35,10 @@ def run_local(fn: Callable, nproc: int, args: tuple = ()) -> dict:
         monitor_interval=0.1, start_method="spawn",
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A failed rank has said what happened in one line and logged its traceback (the trainer's
+    # run_rank does): the elastic agent's copy of that traceback would only bury the line.
+    import logging
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     return elastic_launch(config, entrypoint=fn)(*args)
 
 

@@ -21,18 +21,54 @@ def torchrun(run_dir, *overrides, strategy: str, restarts: int = 0, nproc: int =
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run of each strategy, made once: strategy -> its last checkpoint."""
+    made = {}
+
+    def last_checkpoint(strategy: str):
+        if strategy not in made:
+            run_dir = tmp_path_factory.mktemp(f"straight_{strategy}")
+            out = torchrun(run_dir, strategy=strategy)
+            assert out.returncode == 0, out.stderr[-8000:]
+            made[strategy] = latest_checkpoint(run_dir)
+        return made[strategy]
+    return last_checkpoint
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy):
-    straight = torchrun(tmp_path / "straight", strategy=strategy)
-    assert straight.returncode == 0, straight.stderr[-8000:]
+def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy, straight):
     killed = torchrun(tmp_path / "killed", "debug.kill_rank=1", "debug.kill_at_step=12", strategy=strategy,
                       restarts=2)
     assert killed.returncode == 0, killed.stderr[-3000:]
     assert marker(tmp_path / "killed", 1, 12).is_file()  # the kill happened...
     assert "resumed from" in killed.stdout and "step_00000010" in killed.stdout  # ...and the restart resumed
-    a, b = latest_checkpoint(tmp_path / "straight"), latest_checkpoint(tmp_path / "killed")
+    # The survivor says so in one line (which rank, after which step, what happens next), its
+    # traceback in its log, not on the console.
+    said = [line for line in killed.stderr.splitlines() if line.startswith("error: rank 0 stopped")]
+    assert len(said) == 1 and "after step 12" in said[0] and "torchrun restarts the group (restart 1 of 2) from " \
+        "checkpoints/step_00000010" in said[0], killed.stderr[-3000:]
+    assert "Traceback" not in killed.stderr, killed.stderr[-3000:]
+    assert "rank 0 stopped with this error:\nTraceback" in (tmp_path / "killed" / "logs" / "rank_0.log").read_text()
+    a, b = straight(strategy), latest_checkpoint(tmp_path / "killed")
     assert a.name == b.name == "step_00000020"
     assert_same(load_everything(a), load_everything(b), strategy)  # model, optimizer, every rank's state
+
+
+def test_a_kill_while_saving_a_sharded_checkpoint_leaves_none_that_looks_complete(tmp_path, straight):
+    """zero2 at 2 ranks: rank 1 dies while the step-10 checkpoint is being written (its shard is
+    on disk, rank 0 waits to rename). The partial folder is never taken for a checkpoint: the
+    restarted group removes it, resumes from step 5, and ends bitwise equal to the straight run."""
+    run_dir = tmp_path / "killed"
+    killed = torchrun(run_dir, "debug.kill_rank=1", "debug.kill_at_step=10", "debug.kill_during=save",
+                      strategy="zero2", restarts=1)
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert marker(run_dir, 1, 10).is_file()
+    assert "removed .step_00000010.tmp, left by a checkpoint save that did not finish" in killed.stdout, killed.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000005'} at step 5" in killed.stdout, killed.stdout
+    a, b = straight("zero2"), latest_checkpoint(run_dir)
+    assert a.name == b.name == "step_00000020"
+    assert_same(load_everything(a), load_everything(b), "zero2")
 
 
 def test_without_restarts_the_kill_fails_the_launch(tmp_path):

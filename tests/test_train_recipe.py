@@ -107,37 +107,49 @@ def test_a_self_launched_sweep(tmp_path):
     check_sweep(sweep, out, two)
 
 
-def test_command_line_errors_are_one_line_and_write_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    ok = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}")
-    assert ok.returncode == 0, ok.stderr[-3000:]
-    before = files_under(run_dir)
-    bad = [
-        (["model.n_embd=48"], "trainer.resume: .* holds model"),
-        (["trainer.resume=none"], "already holds checkpoints and trainer.resume=none"),
-        (["trainer.precision=fp32x"], "trainer.precision='fp32x'"),
-    ]
+def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     import re
-    for overrides, pattern in bad:
-        out = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", *overrides)
-        assert out.returncode == 2, (overrides, out.stderr[-2000:])
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: ") and re.search(pattern, lines[0]), out.stderr
-    assert files_under(run_dir) == before  # nothing written over the existing run
-
-    # A checkpoint whose tensors do not fit (written by other code): the first mismatching key, named.
     import shutil
 
     from minidist.train.config_check import validate
     from minidist.train.errors import ConfigError
+    from minidist.train.launch_train import launch
+    from minidist.train.manifest import write_manifest
     from train_cases import compose_cfg
 
+    run_dir = tmp_path / "run"
+    ok = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    before = files_under(run_dir)
+    # From the command line once (exit status 2, one line on stderr, nothing else) ...
+    out = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", "trainer.precision=fp32x")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("error: trainer.precision='fp32x'"), lines
+    # ... and the other mistakes through the same entry point in-process: launch() checks the
+    # config before it starts a rank, so no launch is needed to see its answer.
+    bad = [
+        (["model.n_embd=48"], "trainer.resume: .* holds model"),
+        (["trainer.resume=none"], "already holds checkpoints and trainer.resume=none"),
+        (["debug.kill_during=later"], "debug.kill_during='later' must be step"),
+    ]
+    for overrides, pattern in bad:
+        capsys.readouterr()
+        cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", *overrides))
+        assert launch(cfg, run_dir) == 2, overrides
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith("error: ") and re.search(pattern, said[0]), said
+    assert files_under(run_dir) == before  # nothing written over the existing run
+
+    # A checkpoint whose tensors do not fit (written by other code, its manifest too): the first
+    # mismatching key, named.
     bad_ckpt = tmp_path / "tampered"
     shutil.copytree(latest_checkpoint(run_dir), bad_ckpt)
     state = torch.load(bad_ckpt / "model.pt")
     key = list(state)[3]
     state[key] = torch.zeros(7, 7)
     torch.save(state, bad_ckpt / "model.pt")
+    write_manifest(bad_ckpt)
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", f"trainer.resume={bad_ckpt}"))
     with pytest.raises(ConfigError, match=rf"first mismatching key '{re.escape(key)}' has shape \[7, 7\] in the "
                                           r"checkpoint, \[\d+(, \d+)*\] in the model"):

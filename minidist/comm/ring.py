@@ -157,6 +157,12 @@ def _direct(op: str, chunk_bytes: int, n: int) -> bool:
     return n > 2 and chunk_bytes < DIRECT_BELOW_BYTES[op]  # at n = 2 both schedules are the same one step
 
 
+def sends_direct(op: str, chunk_bytes: int, n: int) -> bool:
+    """Does the ring's `op` ("reduce_scatter" or "all_gather") on n ranks with chunks of
+    `chunk_bytes` send each chunk straight to its rank (else: every chunk to the next rank)?"""
+    return _direct(op, chunk_bytes, n)
+
+
 def _exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
     """Every listed transfer at once: recvs[q] from rank q, sends[q] to rank q (group ranks)."""
     works = [dist.irecv(t, _global(group, q), group=group, tag=RING_TAG) for q, t in recvs.items()]

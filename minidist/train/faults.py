@@ -4,7 +4,9 @@
         debug.kill_rank=1 debug.kill_at_step=12
 
 Rank `kill_rank` dies by SIGKILL right after optimizer step `kill_at_step` (before that
-step's checkpoint, so recovery has work to redo). Each kill happens once per run directory:
+step's checkpoint, so recovery has work to redo); with debug.kill_during=save, during that
+step's checkpoint instead, once its own files are written and before the folder is renamed
+(the save must then leave nothing that looks like a checkpoint). Each kill happens once per run directory:
 a marker file in <run dir>/faults/ is written (and synced) first, so the group torchrun
 restarts resumes from the latest complete checkpoint and runs through. Several kills:
 lists of the same length, e.g. debug.kill_rank=[1,3,0] debug.kill_at_step=[120,480,777].
@@ -69,11 +71,14 @@ class FaultPlan:
 
     def __init__(self, debug_cfg):
         self.kills = planned_kills(debug_cfg)
+        self.kill_during = str(debug_cfg.get("kill_during", "step")) if debug_cfg is not None else "step"
         self.stall = _rank_and_step(debug_cfg, "stall")
         self.nan = _rank_and_step(debug_cfg, "nan")
 
-    def maybe_kill(self, run_dir: Path, rank: int, step: int) -> None:
-        maybe_kill(self.kills, run_dir, rank, step)
+    def maybe_kill(self, run_dir: Path, rank: int, step: int, during: str = "step") -> None:
+        """Die now if planned for this rank and step, `during` the step or its checkpoint's save."""
+        if during == self.kill_during:
+            maybe_kill(self.kills, run_dir, rank, step)
 
     def maybe_stall(self, rank: int, step: int) -> None:
         """Stop participating, for good, if this rank is to stall before this step."""

@@ -19,7 +19,9 @@ from omegaconf import OmegaConf
 
 from minidist.launch import run_local, under_launcher
 from minidist.train.config_check import validate
+from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
+from minidist.train.failure_report import report_failure
 
 
 def local_nproc(launcher_cfg) -> int:
@@ -89,6 +91,7 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
+    trainer, path = None, Path(run_dir)
     try:
         path = agree_on_run_dir(Path(run_dir), ctx)
         with quiet_unless_rank0(path, ctx.rank):
@@ -97,6 +100,11 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
                 return trainer.fit()
             finally:
                 trainer.close()
+    except Exception as e:  # noqa: BLE001 - one line on the console, the traceback in the rank's log
+        line = report_failure(e, ctx.rank, trainer.step if trainer is not None else None, path)
+        if ctx.rank == 0 or not isinstance(e, CheckpointWriteFailed):  # that one, every rank alike: rank 0 says it
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(1) from e
     finally:
         if under_launcher():
             # The process outlives this run (a --multirun sweep runs its jobs one after the

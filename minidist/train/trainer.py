@@ -27,7 +27,8 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
 from minidist.train.faults import FaultPlan
@@ -117,10 +118,15 @@ class Trainer:
         if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
         self.skipped_steps = 0
+        self.host_traffic = HostTraffic(ctx.rank, ctx.world_size)  # bytes between hosts (cross_host.py)
+        self.cross_host_theory: list[tuple[float, int]] = []
         # Each rank its own stream of randomness from here on (dropout, augmentation), Python's
         # too: a run must not depend on the entropy its processes started with.
         torch.manual_seed(t.seed + 1000 * ctx.rank)
         random.seed(t.seed + 1000 * ctx.rank)
+        if ctx.rank == 0:  # a save that did not finish (killed, disk full) left its partial folder
+            for name in remove_partial_saves(self.run_dir):
+                self.log.info(f"removed {name}, left by a checkpoint save that did not finish")
         if resume_from is not None:
             self._resume(Path(resume_from))
         self.log.info(f"{self.strategy.name}: {cfg.model.name} ({self.n_params / 1e6:.2f}M parameters) on "
@@ -164,7 +170,9 @@ class Trainer:
         comm_s = tracer.blocked_s if self.strategy.traces_comm else None
         return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "step_s": total, "data_s": data_s,
                 "comm_s": comm_s, "compute_s": total - data_s - (comm_s or 0.0),
-                "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None}
+                "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None,
+                "cross_host": cross_host_sent(tracer.records, self.ctx.rank, self.host_traffic.per_host)
+                if self.strategy.traces_comm and self.host_traffic.multi_host else None}
 
     def traced_step(self, batches) -> dict:
         """train_step under torch.profiler: rank 0 writes <run dir>/timeline_step_N.json (Chrome
@@ -225,7 +233,9 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.sampler.state_dict(),
                 "shards": getattr(self.strategy, "checkpoint_shards", self.ctx.world_size)}  # files of a sharded one
-        path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last))
+        path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last),
+                               before_commit=lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step,
+                                                                            during="save"))
         self.log.info(f"step {self.step}: checkpoint {path}")
         return path
 
@@ -246,12 +256,16 @@ class Trainer:
         self.log.start_progress(self.step, int(t.max_steps))
         last_eval: dict = {}
         history: list[dict] = []
+        start = self.step
         while self.step < end:
             if t.get("timeline_step") is not None and self.step + 1 == int(t.timeline_step):
                 m = self.traced_step(batches)
             else:
                 m = self.train_step(batches)
             self.step += 1
+            self.host_traffic.after_step(self.step, start, end)
+            if m["cross_host"] is not None and self.step > start + 1:  # the steps the counters span
+                self.cross_host_theory.append(m["cross_host"])
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
             # fp16: an overflow is the scaler's routine (it skipped the step and lowered its scale on
             # every rank alike), not a non-finite step to count or stop for.
@@ -276,6 +290,8 @@ class Trainer:
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
         # strategy (ddp, zero1/2 after the final gather), and across runs that should match.
         summary["state_digest"] = state_digest(self.net)
+        if self.host_traffic.multi_host:
+            summary.update(self._cross_host_traffic())
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
         self.log.finish(summary)
@@ -292,8 +308,23 @@ class Trainer:
                                          float(self.cfg.launcher.timeout_s))
             if failure is None:
                 raise
-            self.log.info(f"error: {failure}")
-            raise failure from e
+            raise failure from e  # launch_train.run_rank prints it, in one line
+
+    def _cross_host_traffic(self) -> dict:
+        """Per step, all hosts together: the payload between hosts the ring model predicts from this
+        run's collectives and the most TCP packets it takes (absent for strategies whose collectives
+        minidist does not see), and what the network interfaces sent (cross_host.py). A collective."""
+        n = max(1, len(self.cross_host_theory))
+        sent = sum(b for b, _ in self.cross_host_theory) / n
+        packets = sum(p for _, p in self.cross_host_theory) / n
+        both = torch.tensor([sent, packets, self.host_traffic.tx_bytes_per_step()], dtype=torch.float64,
+                            device=self.ctx.device)
+        comm.all_reduce(both)
+        out = {"net/cross_host_tx_bytes_per_step": both[2].item()}
+        if self.cross_host_theory:
+            out["comm/cross_host_bytes_per_step"] = both[0].item()
+            out["comm/cross_host_packets_per_step"] = both[1].item()
+        return out
 
     def _non_finite(self, norm: float) -> None:
         """The step's gradient norm was nan or inf: the strategy skipped the update (every rank
