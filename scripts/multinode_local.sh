@@ -111,5 +111,32 @@ if reference in single:
         failed |= worst > tolerance
         print(f"multinode_local: {s} on emulated hosts vs {reference} on one host: largest relative difference "
               f"{worst:.1e} ({'within' if worst <= tolerance else 'ABOVE'} {tolerance:g})")
+
+# Cross-host bytes: what the hosts' network interfaces sent between the first and the last step
+# (the kernel's counters, read by each host's local rank 0), against the ring model's payload
+# from the run's own collectives (minidist/train/cross_host.py). The wire adds headers: at most
+# 66 bytes per packet and an ACK of as much per packet the other way (with TSO/GRO far fewer),
+# so theory <= measured <= theory + 2 x 66 x packets + SLACK, where SLACK (16 KiB per step)
+# covers what the model does not see: the trainer's metric all_reduce every log_every steps (a
+# few hundred bytes) and torchrun's store keep-alives (about a hundred bytes a second).
+SLACK = 16 * 1024
+summaries = {}
+for s in strategies:
+    line = [l for l in (multi[s] / "logs" / "rank_0.log").read_text().splitlines() if "summary: " in l][-1]
+    summaries[s] = dict(re.findall(r"([\w/]+)=([-\d.e+]+)", line))
+for s, summary in summaries.items():
+    measured = float(summary["net/cross_host_tx_bytes_per_step"])
+    if "comm/cross_host_bytes_per_step" not in summary:
+        print(f"{s}: cross-host bytes per step measured {measured / 2**20:.2f} MiB, theory - (its collectives "
+              "are not minidist's)")
+        continue
+    theory = float(summary["comm/cross_host_bytes_per_step"])
+    packets = float(summary["comm/cross_host_packets_per_step"])
+    high = theory + 2 * 66 * packets + SLACK
+    ok = theory <= measured <= high
+    failed |= not ok
+    print(f"{s}: cross-host bytes per step measured {measured / 2**20:.2f} MiB, theory {theory / 2**20:.2f} MiB "
+          f"(ratio {measured / theory:.3f}; headers, ACKs and the rest allow up to {high / 2**20:.2f} MiB: "
+          f"{'within' if ok else 'OUTSIDE'})")
 sys.exit(1 if failed else 0)
 EOF

@@ -36,7 +36,7 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
         pytest.skip(reason)
     prefix = "mdt"  # names of our own; a run killed half-way is cleaned up by the next one
     env = {**os.environ, "OUT": str(tmp_path), "PREFIX": prefix, "PYTHON": PYTHON, "TIMEOUT_S": "240",
-           "STRATEGIES": "ddp zero2 hsdp2 hsdp3 ddp_hierarchical", "TWINS": "ddp zero2"}
+           "STRATEGIES": "ddp zero2 zero3 hsdp2 hsdp3 ddp_hierarchical", "TWINS": "ddp zero2"}
     out = subprocess.run(["bash", str(SCRIPT), "trainer.max_steps=8", "trainer.micro_batch_size=4",
                           "trainer.eval_batches=1", "trainer.ckpt_every=0", "trainer.log_every=4",
                           "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",
@@ -50,6 +50,11 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
     for name in ("hsdp2", "hsdp3", "ddp_hierarchical"):
         assert f"{name} on emulated hosts vs ddp on one host: largest relative difference" in out.stdout
         assert "(within 1e-06)" in out.stdout.split(f"{name} on emulated hosts vs ddp")[1].splitlines()[0]
+    # Bytes between the hosts, as the kernel's veth counters saw them, within the bound the script
+    # derives (the ring model's payload, plus headers and ACKs per packet, plus 16 KiB per step).
+    for name in ("ddp", "zero2", "zero3", "hsdp2", "hsdp3", "ddp_hierarchical"):
+        line = next((l for l in out.stdout.splitlines() if l.startswith(f"{name}: cross-host bytes per step")), "")
+        assert "measured" in line and "theory" in line and line.endswith(": within)"), (name, out.stdout[-3000:])
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{prefix}h1" not in listing and f"{prefix}h2" not in listing  # cleaned up
 
