@@ -9,10 +9,12 @@ r (rows + cols) numbers instead of rows x cols:
     M += error                      error feedback: what compression lost last time
     P = M Q;   all_reduce(P);  P = orthonormalise(P)
     Q = M^T P; all_reduce(Q)
-    M_hat = P Q^T;  error = M - M_hat
+    M_hat = P Q^T;  error = M - M_hat / world
 
 The bucket already holds grad / world_size, so the all_reduced P and Q are those of
-the average. Q is kept between steps (warm start), which is what makes one power
+the average, and M_hat approximates the average gradient; this rank's error is kept at
+the bucket's scale (hence M_hat / world), as torch's powerSGD_hook keeps it at the
+gradient's. Q is kept between steps (warm start), which is what makes one power
 iteration enough. Vectors (biases, norms) and matrices too small to gain are
 all_reduced uncompressed, in one flat message per bucket. The first
 `start_iter` steps are plain all_reduce (compression hurts most early).
@@ -94,6 +96,7 @@ class _PowerStep:
 
     def wait(self) -> None:
         hook, group = self.hook, self.bucket.process_group
+        world = torch.distributed.get_world_size(group)
         if self.p_handle is not None:
             self.p_handle.wait()
             ps, offset = [], 0
@@ -111,9 +114,13 @@ class _PowerStep:
                 q = q_flat[offset:offset + n].view(q.shape)
                 offset += n
                 approx = p @ q.t()
-                hook._error[key] = m - approx      # what this rank's compression lost
-                hook._q[key] = q.clone()            # warm start for the next step
+                # What this rank's compression lost, kept at the bucket's scale (1/world of the
+                # gradient): m is this rank's (gradient + error) / world, approx the average's
+                # approximation. Comparing m with approx itself, as this did, stored the other
+                # ranks' gradients as "error" and fed them back: training barely progressed.
+                hook._error[key] = m - approx / world
                 m.copy_(approx)
+                hook._q[key] = q.clone()            # warm start for the next step
         if self.flat_handle is not None:
             self.flat_handle.wait()
             offset = 0
