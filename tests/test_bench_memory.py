@@ -1,5 +1,6 @@
 """The memory benchmark runs end to end (figures are recorded in docs, not asserted here)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
 def test_tiny_memory_benchmark(tmp_path):
     cmd = [sys.executable, "recipes/bench_memory.py", "nproc=2", "strategies=[zero2,zero2_backend]",
            "sizes=[64,128,64]", f"hydra.run.dir={tmp_path}"]

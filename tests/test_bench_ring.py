@@ -1,5 +1,6 @@
 """The ring benchmark runs end to end and reports every op and size (figures are in docs, not asserted)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
 def test_tiny_ring_benchmark(tmp_path):
     cmd = [sys.executable, "recipes/bench_ring.py", "nproc=2", "min_bytes=4096", "max_bytes=16384", "rounds=2",
            "warmup=1", f"hydra.run.dir={tmp_path}"]

@@ -1,5 +1,6 @@
 """The ZeRO benchmark runs end to end with every variant (figures are recorded in docs, not asserted)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
 def test_tiny_benchmark_reports_every_variant(tmp_path):
     out = tmp_path / "results.json"  # written into the run directory
     cmd = [sys.executable, "recipes/bench_zero.py", "warmup=1", "steps=2", "gpt.n_layer=2", "gpt.n_embd=32",

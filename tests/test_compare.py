@@ -37,6 +37,7 @@ def compare(tmp_path, *overrides, home=None, path=None, name="run"):
     return out, run_dir
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps test_compare_exits_1_when_ours_differs
 def test_compare_end_to_end_with_deepspeed(tmp_path):
     """ours vs native vs DeepSpeed: every output written, ours equal to their references, exit 0;
     DeepSpeed started with no compiler on PATH and a fresh HOME, and built nothing there."""

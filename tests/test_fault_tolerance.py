@@ -36,7 +36,7 @@ def straight(tmp_path_factory):
     return last_checkpoint
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2"])  # ddp: make test-all
 def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy, straight):
     killed = torchrun(tmp_path / "killed", "debug.kill_rank=1", "debug.kill_at_step=12", strategy=strategy,
                       restarts=2)
@@ -55,6 +55,7 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy, straigh
     assert_same(load_everything(a), load_everything(b), strategy)  # model, optimizer, every rank's state
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the single-rank kill while saving
 def test_a_kill_while_saving_a_sharded_checkpoint_leaves_none_that_looks_complete(tmp_path, straight):
     """zero2 at 2 ranks: rank 1 dies while the step-10 checkpoint is being written (its shard is
     on disk, rank 0 waits to rename). The partial folder is never taken for a checkpoint: the
@@ -71,6 +72,7 @@ def test_a_kill_while_saving_a_sharded_checkpoint_leaves_none_that_looks_complet
     assert_same(load_everything(a), load_everything(b), "zero2")
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the restart case
 def test_without_restarts_the_kill_fails_the_launch(tmp_path):
     out = torchrun(tmp_path, "debug.kill_rank=0", "debug.kill_at_step=3", strategy="ddp", restarts=0)
     assert out.returncode != 0
@@ -169,7 +171,7 @@ def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
     assert collective_failure(ValueError("nccl: invalid argument"), [], 3, "ddp", 4) is None
 
 
-@pytest.mark.parametrize("strategy, op", [("zero2", "reduce_scatter"), ("ddp", "all_reduce")])
+@pytest.mark.parametrize("strategy, op", [pytest.param("zero2", "reduce_scatter", marks=pytest.mark.slow), ("ddp", "all_reduce")])
 def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, op):
     """Rank 1 stops before step 3: rank 0 fails after launcher.timeout_s naming step 3 and the
     collective it waited in (here our send/recv ring's, which must time out like the backend's

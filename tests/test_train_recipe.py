@@ -97,6 +97,7 @@ def test_every_strategy_under_torchrun_in_one_sweep(tmp_path):
     assert consolidate(latest_checkpoint(sweep / "6"))  # native_fsdp: a full state_dict
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the sweep under torchrun
 def test_a_self_launched_sweep(tmp_path):
     """Each job of the sweep starts its own 2 local ranks (two jobs: the mechanism is the same for
     every strategy, and the torchrun sweep above already runs each one)."""
@@ -158,6 +159,7 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert unknown.returncode != 0 and "strategy" in unknown.stderr and "zero3" in unknown.stderr
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps consolidate in-process (test_checkpoint_safety)
 def test_consolidate_command(tmp_path):
     run_dir = tmp_path / "run"
     assert train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", strategy="zero2").returncode == 0
@@ -226,6 +228,7 @@ def start_ranks(cmd: list[str], envs: list[dict]) -> list[tuple[str, str]]:
     return outs
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the srun-style launch
 def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
     """scripts/multinode_train.sh on two "machines" of one rank each, meeting on 127.0.0.1."""
     from minidist.dist import free_port

@@ -26,7 +26,9 @@ def mesh_options(strategy: str) -> tuple[str, ...]:
     return ("strategy.shard_size=2",) if strategy in HYBRID else ()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+# The native and DeepSpeed strategies' resume runs in `make test-all`; `make test` keeps ours.
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s.startswith(("native_", "ds_"))
+                                      else s for s in STRATEGIES])
 def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     pool = ranks(world_for(strategy))
     cfg = tiny(*mesh_options(strategy), strategy=strategy)
@@ -53,7 +55,7 @@ def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     assert_same(full, {k: v.cpu() for k, v in second[0]["full_state"].items()})
 
 
-@pytest.mark.parametrize("strategy", ["hsdp2", "hsdp3"])
+@pytest.mark.parametrize("strategy", [pytest.param("hsdp2", marks=pytest.mark.slow), "hsdp3"])
 def test_hybrid_checkpoint_is_written_once_per_shard_group_and_resumes_at_another_mesh(strategy, ranks, tmp_path):
     """At 4 ranks as 2x2 only the first replica writes its 2 shards; the run resumes from them as
     1x4 and 4x1 (shards re-cut) and ends as the 2x2 run does (within rounding: other sums)."""
