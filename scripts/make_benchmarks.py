@@ -1,15 +1,18 @@
 """Regenerate docs/benchmarks.md (and docs/img/) from real runs of recipes/compare.py.
 
-    python scripts/make_benchmarks.py              # every run below (~15 min on 2 cores), then the document
-    python scripts/make_benchmarks.py --render     # re-render from the runs already in outputs/benchmarks/
-    python scripts/make_benchmarks.py --only main  # rerun some runs (by name prefix), then render
+    python scripts/make_benchmarks.py               # every run below (~15 min on 2 cores), then the document
+    python scripts/make_benchmarks.py --only main   # rerun some runs (by name prefix), then render
+    python scripts/make_benchmarks.py --render-only # rewrite the document from the committed data, run nothing
 
 The runs: the main comparison (every strategy with its reference, and a timeline),
 world sizes 1-4, a bucket-size sweep on a communication-bound model, ddp with and
 without overlap on a compute-bound and a communication-bound model, and hybrid sharding
-on a 2x2 mesh against native HSDP and flat ZeRO-3. Each run's full
-report stays in outputs/benchmarks/NAME/. The component benchmarks measured issue by
-issue (docs/benchmarks/components.md) are appended as they are.
+on a 2x2 mesh against native HSDP and flat ZeRO-3. Each run's full report stays in
+outputs/benchmarks/NAME/; what the document is rendered from is committed, one JSON per run,
+in docs/benchmarks/data/compare_NAME.json, with the commit, torch version, command and date
+that produced it. Every judgement in the document is computed from those numbers: a step-time
+ratio carries the 95% bootstrap interval of its median over the interleaved step pairs, and
+a target counts as met only when the interval's upper end is at or under it.
 """
 
 from __future__ import annotations
@@ -27,12 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
-from minidist.compare.report import bytes_table, markdown_table, memory_table, table_rows, targets_lines  # noqa: E402
+from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
+                                     table_rows, targets_lines)
 
 OUT = ROOT / "outputs" / "benchmarks"
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
-COMPONENTS = ROOT / "docs" / "benchmarks" / "components.md"
+DATA = ROOT / "docs" / "benchmarks" / "data"
+# Kept from each run's results.json: what the sections render (not the per-step series and
+# per-rank timelines, which stay in outputs/benchmarks/NAME/).
+KEPT = ("environment", "rows", "strategies", "model", "psi", "data", "world_size", "global_batch", "warmup", "steps",
+        "shard_sizes", "timeline_files")
 
 ALL = "[ddp,native_ddp,zero1,native_zero1,zero2,ds_zero2,zero3,native_fsdp]"
 SCALED = "[ddp,native_ddp,zero2,ds_zero2,zero3,native_fsdp]"
@@ -40,6 +48,7 @@ WIDE = ["model=mlp_wide", "data=fake_images", "trainer.micro_batch_size=8"]
 WORLDS = (1, 2, 3, 4)
 BUCKETS = (0.25, 1, 4, 25, 100)
 HYBRID = "[hsdp3,native_hsdp,hsdp2,zero3,native_fsdp,ddp]"
+TIMELINES = ("ddp", "ddp_no_overlap", "native_ddp", "zero2", "zero3", "native_fsdp")
 
 
 def runs() -> dict[str, list[str]]:
@@ -76,11 +85,41 @@ def run(name: str, overrides: list[str]) -> None:
     # Exit 1 with a report: a check failed, and the report says so. Without one: the run failed.
     if done.returncode not in (0, 1) or not (target / "results.json").is_file():
         raise SystemExit(f"[{name}] failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    results = json.loads((target / "results.json").read_text())
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    provenance = {"commit": commit + ("+uncommitted changes" if dirty else ""), "command": command(overrides),
+                  "torch": results["environment"]["torch"], "date": time.strftime("%Y-%m-%d")}
+    DATA.mkdir(parents=True, exist_ok=True)
+    data = {"provenance": provenance, **{k: results[k] for k in KEPT if k in results}}
+    data_file(name).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    copy_figures(name)
     print(f"[{name}] {time.time() - start:.0f} s", flush=True)
 
 
+def data_file(name: str) -> Path:
+    return DATA / f"compare_{name}.json"
+
+
 def load(name: str) -> dict:
-    return json.loads((OUT / name / "results.json").read_text())
+    return json.loads(data_file(name).read_text())
+
+
+def have(name: str) -> bool:
+    return data_file(name).is_file()
+
+
+def copy_figures(name: str) -> None:
+    """The main run's plots and timelines, drawn by recipes/compare.py, into docs/img/."""
+    if name != "main":
+        return
+    IMG.mkdir(parents=True, exist_ok=True)
+    for png in ("loss.png", "step_time.png", "memory.png", "bytes_per_op.png"):
+        shutil.copy(OUT / "main" / png, IMG / f"compare_{png}")
+    for n in TIMELINES:
+        if (OUT / "main" / f"timeline_{n}.png").exists():
+            shutil.copy(OUT / "main" / f"timeline_{n}.png", IMG / f"timeline_{n}.png")
 
 
 # --------------------------------------------------------------------------- sections
@@ -89,20 +128,26 @@ def ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
+def verdicts(rows: dict) -> str:
+    """Our strategies grouped by what their step-time intervals say about the target (<= 1.00)."""
+    groups: dict[str, list[str]] = {}
+    for n, row in rows.items():
+        if row["kind"] == "minidist" and row["time_ratio"] is not None:
+            groups.setdefault(speed_verdict(row).split(" (")[0], []).append(f"{n} {row['time_ratio']:.3f}{interval(row)}")
+    said = {"met": "at or under the reference's step time (the whole interval <= 1.00)",
+            "NOT met": "slower than the reference (the whole interval above 1.00)",
+            "undecided": "not told apart from the reference by this run (the interval spans 1.00)"}
+    return "; ".join(f"{said[k]}: {', '.join(v)}" for k, v in groups.items()) or "no ratios"
+
+
 def main_section(r: dict) -> list[str]:
     rows = r["rows"]
     headers, body = table_rows(rows)
-    for png in ("loss.png", "step_time.png", "memory.png", "bytes_per_op.png"):
-        shutil.copy(OUT / "main" / png, IMG / f"compare_{png}")
-    timelines = [n for n in ("ddp", "ddp_no_overlap", "native_ddp", "zero2", "zero3", "native_fsdp")
-                 if (OUT / "main" / f"timeline_{n}.png").exists()]
-    for n in timelines:
-        shutil.copy(OUT / "main" / f"timeline_{n}.png", IMG / f"timeline_{n}.png")
+    timelines = [n for n in TIMELINES if f"timeline_{n}.png" in r.get("timeline_files", [])]
     hidden = {n: t for n, t in ((n, rows[n]["hidden_fraction"]) for n in rows) if t is not None}
-    wins = [f"{n} ({rows[n]['time_ratio']:.3f})" for n in rows if rows[n]["kind"] == "minidist"
-            and rows[n]["time_ratio"] is not None and round(rows[n]["time_ratio"], 2) <= 1.0]
-    losses = [f"{n} ({rows[n]['time_ratio']:.3f})" for n in rows if rows[n]["kind"] == "minidist"
-              and rows[n]["time_ratio"] is not None and round(rows[n]["time_ratio"], 2) > 1.0]
+    ours = [n for n in rows if rows[n]["kind"] == "minidist" and rows[n]["final_param_diff"] is not None]
+    worst = max(rows[n]["final_param_diff"] for n in ours)
+    tolerance = rows[ours[0]]["tolerance"]
     nl = "\n"
     return [
         "## Ours vs native PyTorch and DeepSpeed (`recipes/compare.py`)",
@@ -111,25 +156,24 @@ def main_section(r: dict) -> list[str]:
         "",
         f"{r['model']} ({r['psi'] / 1e6:.2f}M parameters) on {r['data']}, {r['world_size']} ranks, global batch "
         f"{r['global_batch']}, AdamW, fp32; {r['warmup']} warm-up + {r['steps']} timed steps per strategy, all "
-        "interleaved step by step in one invocation from the same weights on the same batches.",
+        "interleaved step by step in one invocation from the same weights on the same batches. `/ ref [95%]`: "
+        "the median step time over the reference's, and the 95% bootstrap interval of the median of the "
+        "step-by-step ratios.",
         "",
         markdown_table(headers, body),
         "",
         *targets_lines(rows),
         "",
         "Reading:",
-        f"- Equal results: every minidist strategy ends within {rows['ddp']['tolerance']:g} of its reference "
-        f"(final parameter differences: " + ", ".join(f"{n} {rows[n]['final_param_diff']:.1e}" for n in rows
-                                                       if rows[n]["kind"] == "minidist") + ").",
-        f"- At or under the reference's step time: {', '.join(wins) or 'none'}; over it: {', '.join(losses) or 'none'}. "
-        "Differences of 1-3% are within this machine's run-to-run noise (see the min-max spread).",
-        "- Overlap: " + ", ".join(f"{n} {100 * h:.0f}%" for n, h in hidden.items()) + " of communication hidden "
-        "behind compute. With one core per rank, a collective that runs during backward takes its core from "
-        "the computation (gloo's threads and the training thread share it), so hiding communication does not "
-        "shorten the step here as it does on GPUs, where communication has its own engine.",
-        "- DeepSpeed's ZeRO-1/2 reduce gradients with all_reduce on CPU (twice the reduce_scatter bytes), and "
-        "its ZeRO-3 keeps small parameters whole and reuses gathered ones between forward and backward (fewer "
-        "all_gather bytes than the theory): the bytes table shows both.",
+        f"- Equal results: {'every' if worst <= tolerance else 'NOT every'} minidist strategy ends within "
+        f"{tolerance:g} of its reference (largest final parameter difference {worst:.1e}; " +
+        ", ".join(f"{n} {rows[n]['final_param_diff']:.1e}" for n in ours) + ").",
+        f"- Step time: {verdicts(rows)}.",
+        "- Communication hidden behind compute (profiled step): " +
+        ", ".join(f"{n} {100 * h:.0f}%" for n, h in hidden.items()) + ". With one core per rank, a collective "
+        "that runs during backward takes its core from the computation (gloo's threads and the training thread "
+        "share it); the overlap section below measures what hiding buys here.",
+        *deepspeed_bytes_lines(rows),
         "",
         "### Communication per step",
         "",
@@ -154,7 +198,32 @@ def main_section(r: dict) -> list[str]:
     ]
 
 
-def scaling_section(results: dict[int, dict]) -> list[str]:
+def total_bytes(row: dict, op: str, theory: bool = False) -> float:
+    return (row["theory_bytes_per_step"] if theory else row["bytes_per_step"]).get(op) or 0.0
+
+
+def deepspeed_bytes_lines(rows: dict) -> list[str]:
+    """DeepSpeed's bytes against ours, as measured (the ops each uses, and how many bytes)."""
+    out = []
+    if "ds_zero2" in rows and "zero2" in rows:
+        ds, ours = rows["ds_zero2"], rows["zero2"]
+        ds_reduce = total_bytes(ds, "all_reduce") + total_bytes(ds, "reduce_scatter")
+        ours_reduce = total_bytes(ours, "reduce_scatter")
+        if ours_reduce:
+            out.append(f"- Gradient reduction bytes per step, ds_zero2 / zero2: {ds_reduce / ours_reduce:.2f}x "
+                       f"(ds_zero2: all_reduce {total_bytes(ds, 'all_reduce') / 2**20:.2f} MiB, reduce_scatter "
+                       f"{total_bytes(ds, 'reduce_scatter') / 2**20:.2f} MiB; zero2: reduce_scatter "
+                       f"{ours_reduce / 2**20:.2f} MiB).")
+    if "ds_zero3" in rows:
+        ds = rows["ds_zero3"]
+        measured, theory = total_bytes(ds, "all_gather"), total_bytes(ds, "all_gather", theory=True)
+        if theory:
+            out.append(f"- ds_zero3's all_gather bytes are {measured / theory:.2f}x the ZeRO-3 theory "
+                       f"({measured / 2**20:.2f} vs {theory / 2**20:.2f} MiB per step).")
+    return out
+
+
+def scaling_section(results: dict[int, dict], img: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     names = results[WORLDS[0]]["strategies"]
@@ -177,7 +246,11 @@ def scaling_section(results: dict[int, dict]) -> list[str]:
         ax.set(xlabel="ranks (processes on 2 cores)", ylabel=label)
         ax.set_xticks(list(WORLDS))
     axes[0].legend(fontsize=8)
-    save_figure(fig, IMG / "scaling.png")
+    save_figure(fig, img / "scaling.png")
+    first, last = min(results), max(results)
+    cores = results[last]["environment"]["cores"]
+    throughput = lambda n, name: results[n]["global_batch"] / results[n]["rows"][name]["step_s"]["median"]
+    state = lambda n, name: results[n]["rows"][name]["model_state_bytes"]["total"]
     return [
         "## Scaling: 1 to 4 ranks",
         "",
@@ -189,15 +262,18 @@ def scaling_section(results: dict[int, dict]) -> list[str]:
         "",
         "![scaling](img/scaling.png)",
         "",
-        "Reading: beyond 2 ranks the processes outnumber the 2 cores, so step time grows with the ranks and "
-        "throughput stays flat: these runs show how each strategy's overheads and memory move with the world "
-        "size, not speed-up. Model state per rank falls as 1/N for the sharded parts (ZeRO-2: gradients and "
-        "optimizer state; ZeRO-3: everything), as the formulas say; replicated DDP stays constant.",
+        f"Reading: this machine has {cores} cores, so from {cores + 1} ranks on the processes share them; these "
+        "runs show how each strategy's overheads and memory move with the world size, not speed-up.",
+        f"- Throughput at {last} ranks over {cores}: " +
+        ", ".join(f"{n} {throughput(last, n) / throughput(cores, n):.2f}x" for n in names if cores in results) + ".",
+        f"- Model state per rank at {last} ranks over {first}: " +
+        ", ".join(f"{n} {state(last, n) / state(first, n):.2f}x" for n in names) +
+        f" (1/{last} = {1 / last:.2f} for state that is fully sharded).",
         "",
     ]
 
 
-def bucket_section(results: dict[float, dict]) -> list[str]:
+def bucket_section(results: dict[float, dict], img: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     first = next(iter(results.values()))
@@ -214,7 +290,7 @@ def bucket_section(results: dict[float, dict]) -> list[str]:
     for ax, label in zip(axes, ("step time (ms)", "exposed communication (ms, profiled step)")):
         ax.set(xscale="log", xlabel="bucket_cap_mb", ylabel=label)
     axes[0].legend()
-    save_figure(fig, IMG / "buckets.png")
+    save_figure(fig, img / "buckets.png")
     return [
         "## Bucket size (communication-bound model)",
         "",
@@ -228,22 +304,17 @@ def bucket_section(results: dict[float, dict]) -> list[str]:
         "",
         "Best setting measured: " + ", ".join(f"{n} {best[n]:g} MiB" for n in names) + ".",
         "",
-        "ddp / native_ddp at the same cap: " + ", ".join(
-            f"{b:g} MiB {r['rows']['ddp']['time_ratio']:.3f}" for b, r in results.items()
-            if r["rows"].get("ddp", {}).get("time_ratio") is not None) +
-        ". On this communication-bound model our ddp stays a few percent behind native DDP although "
-        "the buckets and the bytes are the same (bucket_closing=reach; 10 parameters, so per-parameter Python "
-        "work is small). Not pinned down yet: the difference is in backward (torch.profiler puts ~1 ms more "
-        "per step under our gradient hooks, whose Python runs on the backward thread while gloo's threads "
-        "move the buckets). On the compute-bound GPT above it is within the run-to-run noise.",
+        "ddp / native_ddp at the same cap, with the 95% interval: " + ", ".join(
+            f"{b:g} MiB {r['rows']['ddp']['time_ratio']:.3f}{interval(r['rows']['ddp'])} "
+            f"({speed_verdict(r['rows']['ddp']).split(' (')[0]})" for b, r in results.items()
+            if r["rows"].get("ddp", {}).get("time_ratio") is not None) + ".",
         "",
         "![buckets](img/buckets.png)",
         "",
-        "Reading: small buckets mean many collectives, each paying gloo's per-call latency; large ones leave "
-        "one big all_reduce after backward with nothing to overlap. The default 25 MiB against the best "
-        "measured: " + ", ".join(
-            f"{n} {results[25]['rows'][n]['step_s']['median'] / results[best[n]]['rows'][n]['step_s']['median']:.3f}x"
-            for n in names if 25 in results) + ".",
+        "Small buckets mean many collectives, each paying gloo's per-call latency; large ones leave one big "
+        "all_reduce after backward with nothing to overlap. The default 25 MiB against the best measured: " +
+        ", ".join(f"{n} {results[25]['rows'][n]['step_s']['median'] / results[best[n]]['rows'][n]['step_s']['median']:.3f}x"
+                  for n in names if 25 in results) + ".",
         "",
     ]
 
@@ -262,6 +333,8 @@ def bound_section(results: dict[tuple[str, str], dict]) -> list[str]:
         on, off = results.get((model, "true")), results.get((model, "false"))
         if on and off:
             gain[model] = on["rows"]["ddp"]["time_ratio"] / off["rows"]["ddp"]["time_ratio"]
+    share = {model: r["rows"]["native_ddp"]["comm_s"] / r["rows"]["native_ddp"]["step_s"]["median"]
+             for (model, overlap), r in results.items() if overlap == "false"}
     return [
         "## Where overlap pays: compute-bound vs communication-bound",
         "",
@@ -269,14 +342,13 @@ def bound_section(results: dict[tuple[str, str], dict]) -> list[str]:
         "",
         markdown_table(headers, body),
         "",
-        "Overlap's effect (ddp/native ratio with overlap over the ratio without): " +
-        ", ".join(f"{m} {g:.3f}" for m, g in gain.items()) + " (below 1: overlap made ddp faster).",
+        "Overlap's effect (ddp/native ratio with overlap over the ratio without; below 1: overlap made ddp "
+        "faster): " + ", ".join(f"{m} {g:.3f}" for m, g in gain.items()) + ". Communication's share of native "
+        "DDP's step (profiled): " + ", ".join(f"{m} {100 * x:.0f}%" for m, x in share.items()) + ".",
         "",
-        "Reading: on the GPT, communication is a few percent of the step, so there is little to hide. On the "
-        "wide MLP, communication is most of the step, but on this machine the bytes are moved by the same "
-        "cores that compute (gloo's threads and the training thread share one core per rank): overlap can "
-        "reorder the work but not add bandwidth, so hiding communication buys little or nothing here. On GPUs "
-        "the copy engines and NVLink/NICs move the bytes while the SMs compute, which is where overlap pays.",
+        "On this machine the bytes are moved by the same cores that compute (gloo's threads and the training "
+        "thread share one core per rank): overlap can reorder the work but not add bandwidth. On GPUs the copy "
+        "engines and NVLink/NICs move the bytes while the SMs compute, which is where overlap pays.",
         "",
     ]
 
@@ -300,29 +372,28 @@ def hybrid_section(r: dict) -> list[str]:
         "",
         bytes_table(rows),
         "",
-        "Reading: the hybrids' all_reduce is the 1/S shard across the replicas (the only traffic that would "
-        "cross hosts) and their gathers and reduce_scatters stay in the shard group of 2, so they move fewer "
-        "bytes per rank than zero3 over all 4; on one machine every link is loopback, so this measures the "
-        "implementations, not the network (docs/scale.md models and measures that).",
+        "The hybrids' all_reduce is the 1/S shard across the replicas (the only traffic that would cross "
+        "hosts); their gathers and reduce_scatters stay in the shard group. Bytes sent per rank and step, all "
+        "ops: " + ", ".join(f"{n} {sum(rows[n]['bytes_per_step'].values()) / 2**20:.2f} MiB" for n in rows) +
+        ". On one machine every link is loopback, so this measures the implementations, not the network "
+        "(docs/scale.md models and measures that).",
         "",
     ]
 
 
-def components() -> list[str]:
-    """The component benchmarks, one heading level down."""
-    text = COMPONENTS.read_text().splitlines()
-    return ["#" + line if line.startswith("#") else line for line in text]
-
-
-def render() -> None:
-    IMG.mkdir(parents=True, exist_ok=True)
+def render(img: Path = IMG) -> str:
+    """The document, from the committed data alone; the plots it draws go into `img`."""
+    img.mkdir(parents=True, exist_ok=True)
     main = load("main")
     env = main["environment"]
+    sources = sorted(DATA.glob("compare_*.json"))
     lines = [
         "# Benchmarks",
         "",
-        "Generated by `python scripts/make_benchmarks.py` from the runs it makes (each run's full report, CSV, "
-        "JSON, TensorBoard and plots stay in outputs/benchmarks/NAME/). Do not edit by hand.",
+        "Generated by `python scripts/make_benchmarks.py` (`--render-only` rewrites it from the committed data "
+        "without running anything); do not edit by hand. Data: `docs/benchmarks/data/compare_*.json`, each with "
+        "the commit, torch version, command and date that produced it "
+        f"({', '.join(sorted({load(f.stem[len('compare_'):])['provenance']['date'] for f in sources}))}).",
         "",
         f"Machine: {env['cores']} CPU cores, no GPU; torch {env['torch']}, DeepSpeed {env['deepspeed']}, "
         f"Python {env['python']}; backend {env['backend']} over loopback, OMP_NUM_THREADS=1 per rank. "
@@ -330,27 +401,32 @@ def render() -> None:
         "",
         *main_section(main),
         "",
-        *scaling_section({n: load(f"scale_{n}") for n in WORLDS if (OUT / f"scale_{n}" / "results.json").exists()}),
-        *bucket_section({b: load(f"bucket_{b}") for b in BUCKETS if (OUT / f"bucket_{b}" / "results.json").exists()}),
+        *scaling_section({n: load(f"scale_{n}") for n in WORLDS if have(f"scale_{n}")}, img),
+        *bucket_section({b: load(f"bucket_{b}") for b in BUCKETS if have(f"bucket_{b}")}, img),
         *bound_section({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
-                        if (OUT / f"bound_{m}_{o}" / "results.json").exists()}),
-        *(hybrid_section(load("hybrid")) if (OUT / "hybrid" / "results.json").exists() else []),
-        *components(),
+                        if have(f"bound_{m}_{o}")}),
+        *(hybrid_section(load("hybrid")) if have("hybrid") else []),
+        "## Component benchmarks",
+        "",
+        "Each part on its own (collectives, DataParallel, the ring, ZeRO stages, resident memory), one recipe "
+        "each: `docs/benchmarks/components.md`, collected issue by issue with the command and date of each; "
+        "not regenerated by this script.",
     ]
-    DOC.write_text("\n".join(lines).rstrip() + "\n")
-    print(f"wrote {DOC} and {IMG}/")
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render", action="store_true", help="only render from existing runs")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite the document from docs/benchmarks/data/ without running anything")
     parser.add_argument("--only", nargs="*", help="rerun only the runs whose names start with these")
     args = parser.parse_args(argv)
-    if not args.render:
+    if not args.render_only:
         for name, overrides in runs().items():
             if args.only is None or any(name.startswith(p) for p in args.only):
                 run(name, overrides)
-    render()
+    DOC.write_text(render())
+    print(f"wrote {DOC} and {IMG}/")
 
 
 if __name__ == "__main__":
