@@ -117,13 +117,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def choose_backend(backend: str, local_world_size: int) -> str:
-    """"auto": nccl when every local rank can own a CUDA device, else gloo."""
+def gpu_bound_per_task(env: Mapping[str, str] | None = None) -> bool:
+    """Did SLURM give this task GPUs of its own (--gpus-per-task, --gpu-bind)? Then each task
+    sees only its own (device_count() is 1 with one GPU a task), whatever the node holds."""
+    env = os.environ if env is None else env
+    return "SLURM_LOCALID" in env and any(k in env for k in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"))
+
+
+def choose_backend(backend: str, local_world_size: int, env: Mapping[str, str] | None = None) -> str:
+    """"auto": nccl when every local rank can own a CUDA device (as many visible as local ranks,
+    or GPUs bound per task by SLURM), else gloo."""
     if backend != "auto":
         return backend
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+    if torch.cuda.is_available() and (torch.cuda.device_count() >= local_world_size or
+                                      (torch.cuda.device_count() >= 1 and gpu_bound_per_task(env))):
         return "nccl"
     return "gloo"
+
+
+def cuda_device_for(local_rank: int, local_world_size: int, env: Mapping[str, str] | None = None) -> torch.device:
+    """The GPU this rank drives under nccl: local_rank % visible devices (all GPUs visible: one
+    each; SLURM binding one a task: its own, device 0). Two ranks on one GPU is an error NCCL
+    reports late and obscurely ("Duplicate GPU detected"), so it is refused here, with the fix."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise RuntimeError("backend nccl needs a CUDA device, and this process sees none (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): use backend gloo, or a GPU machine")
+    if count < local_world_size and not gpu_bound_per_task(env):
+        raise RuntimeError(f"backend nccl with {local_world_size} ranks on this machine but {count} visible GPU(s): "
+                           "NCCL needs one GPU per rank; start at most that many ranks per machine (torchrun "
+                           "--nproc_per_node, launcher.nproc), or bind one GPU per task (srun --gpus-per-task=1)")
+    return torch.device("cuda", local_rank % count)
 
 
 def _restart_safe_store(timeout: datetime.timedelta):
@@ -180,22 +204,25 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
     info = detect_launch()
     backend = choose_backend(backend, info.local_world_size)
     if backend == "nccl":
-        device = torch.device("cuda", info.local_rank)
+        device = cuda_device_for(info.local_rank, info.local_world_size)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    # nccl: the communicator is made now, for this device (device_id), so that a bad GPU or
+    # network fails at start, not in the first backward.
+    eager = {"device_id": device} if backend == "nccl" else {}
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         if info.launcher == "single":
             # A one-member group needs no rendezvous: an in-memory store is enough.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **eager)
         else:
             os.environ.setdefault("MASTER_ADDR", info.master_addr)
             os.environ.setdefault("MASTER_PORT", str(info.master_port))
             try:
                 store = _restart_safe_store(timeout)
                 dist.init_process_group(backend, **({"store": store} if store else {"init_method": "env://"}),
-                                        rank=info.rank, world_size=info.world_size, timeout=timeout)
+                                        rank=info.rank, world_size=info.world_size, timeout=timeout, **eager)
             except Exception as e:  # noqa: BLE001 - re-raised with the cause and the fix named
                 raise RendezvousError(rendezvous_failure(e, info.rank, info.world_size, timeout_s)) from e
     _CONTEXT = DistContext(

@@ -59,8 +59,25 @@ def test_backend_auto_picks_gloo_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert choose_backend("auto", 2) == "nccl"
-    assert choose_backend("auto", 4) == "gloo"  # not one device per local rank
+    assert choose_backend("auto", 4, env={}) == "gloo"  # not one device per local rank
     assert choose_backend("gloo", 2) == "gloo"
+
+
+def test_a_gpu_bound_per_slurm_task_is_used_and_ranks_never_share_one(monkeypatch):
+    """srun --gpus-per-task=1: each task sees one GPU (device 0) though 4 run on the node."""
+    from minidist.dist import cuda_device_for
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    bound = {"SLURM_LOCALID": "3", "SLURM_STEP_GPUS": "3"}
+    assert choose_backend("auto", 4, env=bound) == "nccl"
+    assert cuda_device_for(3, 4, env=bound) == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="4 ranks on this machine but 1 visible GPU.*--nproc_per_node"):
+        cuda_device_for(3, 4, env={})  # four ranks would share the one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert cuda_device_for(5, 8, env={}) == torch.device("cuda", 5)  # every GPU visible: one each
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        cuda_device_for(0, 1, env={})
 
 
 def test_single_process_init_is_idempotent_and_shuts_down(monkeypatch):
