@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import require_known
+from minidist.benchmarking import require_known, slowest
 from minidist.launch import run_recipe
 
 BUS_FACTOR = {
@@ -124,9 +124,7 @@ def time_op(launch, mode: str, cfg, device) -> float:
                     h.wait()
             _sync(device)
             samples.append((time.perf_counter() - start) / int(cfg.iters))
-    mine = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    comm.all_reduce(mine, op=comm.ReduceOp.MAX)  # the op is as slow as its slowest rank
-    return mine.item()
+    return slowest(statistics.median(samples))  # the op is as slow as its slowest rank
 
 
 def memcpy_bandwidth(device: torch.device, nbytes: int = 64 << 20, iters: int = 10) -> float:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import minidist
 from minidist import comm
+from minidist.benchmarking import slowest
 from minidist.comm import ring
 
 
@@ -42,9 +43,7 @@ def timed(fn, reps: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
-    comm.all_reduce(slowest, op=comm.ReduceOp.MAX)  # the step ends when the slowest rank is done
-    return slowest.item()
+    return slowest(statistics.median(times))  # the step ends when the slowest rank is done
 
 
 def exchange_points(send_to: int, recv_from: int, sizes, reps: int, sharing: int = 1,

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, rotated, slowest
+from minidist.benchmarking import PeakSampler, max_over_ranks, rotated, slowest
 from minidist.compare.replica import Replica
 from minidist.compare.timeline import record_step
 from minidist.memory import live_tensor_bytes
@@ -47,15 +47,12 @@ def _micro_batches(train_set, batches, grad_accum: int, device):
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
-    t = value.detach().double().reshape(1).cpu()
+    t = value.detach().double().reshape(1).to(comm.control_device())  # nccl: on the GPU, not .cpu()
     comm.all_reduce(t)
     return t.item() / dist.get_world_size()
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
-    comm.all_reduce(t, op=comm.ReduceOp.MAX)
-    return t.item()
+_max_over_ranks = max_over_ranks
 
 
 def measure_memory(replica: Replica, micro_batches) -> dict:
