@@ -47,9 +47,12 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
     assert out.stdout.count("every rank identical and equal to the single-host run") == 2, out.stdout
     # hsdp2, hsdp3, ddp_hierarchical: one shard group per host, found by the mesh from the host layout
     assert (tmp_path / "multi.host1.log").read_text().count("Mesh(replicate=2 x shard=2)") == 3
-    for name in ("hsdp2", "hsdp3", "ddp_hierarchical"):
+    # Every strategy against ddp on one host, within the tolerance the script derived from ddp
+    # summed in another order (TOLERANCE=auto)
+    assert "multinode_local: tolerance 4 x " in out.stdout, out.stdout[-3000:]
+    for name in ("zero2", "zero3", "hsdp2", "hsdp3", "ddp_hierarchical"):
         assert f"{name} on emulated hosts vs ddp on one host: largest relative difference" in out.stdout
-        assert "(within 1e-06)" in out.stdout.split(f"{name} on emulated hosts vs ddp")[1].splitlines()[0]
+        assert "(within " in out.stdout.split(f"{name} on emulated hosts vs ddp")[1].splitlines()[0], out.stdout
     # Bytes between the hosts, as the kernel's veth counters saw them, within the bound the script
     # derives (the ring model's payload, plus headers and ACKs per packet, plus 16 KiB per step).
     for name in ("ddp", "zero2", "zero3", "hsdp2", "hsdp3", "ddp_hierarchical"):
