@@ -99,13 +99,15 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             continue
         losses, ref_losses = results["per_step"][name]["loss"], results["per_step"][ref]["loss"]
         diff = max_state_difference(results["finals"][name], results["finals"][ref])
+        # The steps ran interleaved: each step's ratio pairs two runs seconds apart, so drift
+        # cancels. The ratio is the median of those pairs; its bootstrap interval says what it is,
+        # noise included.
         pairs = [a / b for a, b in zip(results["per_step"][name]["step_s"], results["per_step"][ref]["step_s"])]
         row.update(
             max_loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)),
             final_param_diff=diff, tolerance=tolerance,
-            time_ratio=row["step_s"]["median"] / rows[ref]["step_s"]["median"],
-            # the steps ran interleaved: each step's ratio pairs two runs seconds apart, so drift
-            # cancels; the interval of their median says what the ratio is, noise included
+            time_ratio=statistics.median(pairs) if pairs else
+            row["step_s"]["median"] / rows[ref]["step_s"]["median"],
             time_ratio_ci=list(bootstrap_median_ci(pairs)) if len(pairs) > 1 else None,
             # only our strategies are held to it: the others are the references
             ok=(diff <= tolerance) if row["kind"] == "minidist" else None,
