@@ -87,8 +87,9 @@ def run(name: str, overrides: list[str]) -> None:
         raise SystemExit(f"[{name}] failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     results = json.loads((target / "results.json").read_text())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
+    # Changes to the code that ran (not to docs/, which this script itself rewrites as it goes)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
     provenance = {"commit": commit + ("+uncommitted changes" if dirty else ""), "command": command(overrides),
                   "torch": results["environment"]["torch"], "date": time.strftime("%Y-%m-%d")}
     DATA.mkdir(parents=True, exist_ok=True)
