@@ -23,10 +23,11 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 train: setup
 	OMP_NUM_THREADS=1 $(PY) recipes/train.py $(if $(NPROC),launcher.nproc=$(NPROC)) $(ARGS)
 
+# The fast suite, run often: everything but the tests marked slow.
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
 
-# Everything, the slow soak included.
+# Everything: the slow end-to-end tests, emulated hosts (root), the soak. What CI runs.
 test-all: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 

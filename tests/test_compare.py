@@ -99,6 +99,7 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
     assert "ddp / native_ddp" in out.stdout and "report" in out.stdout
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps compare's config checks and report units
 def test_compare_exits_1_when_ours_differs(tmp_path):
     """bf16-compressed gradients on our ddp: the final parameters drift from native DDP's -> exit 1."""
     out, run_dir = compare(tmp_path, "compare.strategies=[ddp,native_ddp]", "+compare.overrides.ddp.comm_hook=bf16")

@@ -43,6 +43,7 @@ def files_under(d: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
 
 
+@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the sweep under torchrun (run dir, logs)
 def test_self_launched_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", n_train=64, n_test=16)
     run_dir = tmp_path / "run"
