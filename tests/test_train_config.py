@@ -62,3 +62,26 @@ def test_experiment_presets_compose(experiment, tmp_path):
     cfg = compose_cfg([f"experiment={experiment}"])
     if cfg.data.name not in ("cifar10", "mnist"):  # those need their files
         validate(cfg, 2, tmp_path)
+
+
+def test_peak_tflops_auto_comes_from_the_device(monkeypatch):
+    """MFU's denominator: a CPU core's rough figure, a known GPU's data-sheet peak in the run's
+    precision, none for an unknown GPU (MFU is then left out); a number is taken as given."""
+    import torch
+
+    from minidist.train.peak_flops import CPU_TFLOPS, peak_tflops
+    assert peak_tflops("auto", torch.device("cpu"), "fp32") == CPU_TFLOPS
+    assert peak_tflops(12.5, torch.device("cpu"), "bf16") == 12.5
+    for name, precision, expected in (("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H200", "fp32", 67.0),
+                                      ("NVIDIA A100-SXM4-80GB", "fp16", 312.0), ("NVIDIA A10G", "bf16", 70.0),
+                                      ("NVIDIA L4", "bf16", 121.0), ("Some Future GPU", "bf16", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        assert peak_tflops("auto", torch.device("cuda", 0), precision) == expected, name
+
+
+def test_peak_tflops_must_be_auto_or_a_positive_number(tmp_path):
+    from minidist.train.config_check import validate
+    from minidist.train.errors import ConfigError
+    from train_cases import compose_cfg, tiny_overrides
+    with pytest.raises(ConfigError, match="trainer.peak_tflops='fast' must be auto"):
+        validate(compose_cfg(tiny_overrides("trainer.peak_tflops=fast")), 2, tmp_path / "run")

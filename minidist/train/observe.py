@@ -120,7 +120,8 @@ def format_summary(s: dict, run_dir: Path) -> str:
             rows.append((label, f"{s[key]:.4f}"))
     if "throughput/tokens_per_s" in s:
         rows.append(("throughput", f"{s['throughput/tokens_per_s']:,.0f} tokens/s "
-                                   f"({s['throughput/tokens_per_s_per_rank']:,.0f} per rank), MFU {s['mfu']:.1%}"))
+                                   f"({s['throughput/tokens_per_s_per_rank']:,.0f} per rank)" +
+                                   (f", MFU {s['mfu']:.1%}" if "mfu" in s else "")))
     elif "throughput/samples_per_s" in s:
         rows.append(("throughput", f"{s['throughput/samples_per_s']:,.1f} samples/s "
                                    f"({s['throughput/samples_per_s_per_rank']:,.1f} per rank)"))

@@ -35,6 +35,7 @@ from minidist.train.faults import FaultPlan
 from minidist.train.hangs import collective_failure
 from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
 from minidist.train.observe import RunLog
+from minidist.train.peak_flops import peak_tflops
 from minidist.train.step import optimizer_step_over, task_loss
 from minidist.train.strategy import build_strategy, local_tensor
 
@@ -118,6 +119,10 @@ class Trainer:
         if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
         self.skipped_steps = 0
+        self.peak_tflops = peak_tflops(t.get("peak_tflops", "auto"), ctx.device, t.precision)  # for MFU
+        if self.peak_tflops is None:
+            self.log.info(f"no MFU: {torch.cuda.get_device_name(ctx.device)} is not in peak_flops.KNOWN_GPUS; "
+                          "set trainer.peak_tflops to its peak TFLOP/s in this precision")
         self.host_traffic = HostTraffic(ctx.rank, ctx.world_size)  # bytes between hosts (cross_host.py)
         self.cross_host_theory: list[tuple[float, int]] = []
         # Each rank its own stream of randomness from here on (dropout, augmentation), Python's
@@ -378,8 +383,8 @@ class Trainer:
             tokens_s = samples_s * self.tokens_per_sample
             out["throughput/tokens_per_s"] = tokens_s
             out["throughput/tokens_per_s_per_rank"] = tokens_s / self.ctx.world_size
-            peak = float(self.cfg.trainer.peak_tflops) * 1e12 * self.ctx.world_size
-            out["mfu"] = self.flops_per_token * tokens_s / peak
+            if self.peak_tflops is not None:
+                out["mfu"] = self.flops_per_token * tokens_s / (self.peak_tflops * 1e12 * self.ctx.world_size)
         return out
 
     def close(self) -> None:
