@@ -6,8 +6,6 @@ import json
 import statistics
 from pathlib import Path
 
-import torch
-
 from minidist import comm
 from minidist.memory import live_tensor_bytes
 
@@ -18,17 +16,9 @@ def rotated(names: list[str], step: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def max_over_ranks(value: float) -> float:
-    """The largest of every rank's `value` (a collective: every rank must call it). The small
-    tensor lives where the backend takes it (nccl: the rank's GPU)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=comm.control_device())
-    comm.all_reduce(t, op=comm.ReduceOp.MAX)
-    return t.item()
-
-
 def slowest(seconds: float) -> float:
     """A step is as slow as its slowest rank (a collective: every rank must call it)."""
-    return max_over_ranks(seconds)
+    return comm.max_over_ranks(seconds)
 
 
 def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 2000,

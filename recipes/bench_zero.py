@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, max_over_ranks, require_known, rotated, slowest, write_json
+from minidist.benchmarking import PeakSampler, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
@@ -123,7 +123,7 @@ def bench_main(cfg_dict: dict) -> None:
     # memory differs per rank (uneven shards): report the largest
     for name in names:
         for key in ("state_bytes", "peak_bytes"):
-            rows[name][key] = int(max_over_ranks(rows[name][key]))
+            rows[name][key] = int(comm.max_over_ranks(rows[name][key]))
     if "ddp" in rows:
         for name in names:
             rows[name]["ratio_to_ddp"] = rows[name]["median_step_s"] / rows["ddp"]["median_step_s"]

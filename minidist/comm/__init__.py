@@ -293,6 +293,14 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
 
 
+def max_over_ranks(value: float, group=None) -> float:
+    """The largest of every rank's `value` (a collective: every rank of `group` must call it). The
+    small tensor lives where the backend takes it (control_device: the rank's GPU under nccl)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=control_device(group))
+    all_reduce(t, op=ReduceOp.MAX, group=group)
+    return t.item()
+
+
 def _ring_for_sum(op_name: str, op, group, algorithm: str, nbytes: int) -> str:
     algorithm = choose_algorithm(op_name, group, algorithm, nbytes)
     if algorithm == "ring" and op != ReduceOp.SUM:

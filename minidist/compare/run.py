@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, max_over_ranks, rotated, slowest
+from minidist.benchmarking import PeakSampler, rotated, slowest
 from minidist.compare.replica import Replica
 from minidist.compare.timeline import record_step
 from minidist.memory import live_tensor_bytes
@@ -51,8 +51,6 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     comm.all_reduce(t)
     return t.item() / dist.get_world_size()
 
-
-_max_over_ranks = max_over_ranks
 
 
 def measure_memory(replica: Replica, micro_batches) -> dict:
@@ -122,7 +120,7 @@ def _compare(cfg, ctx) -> dict | None:
             if step >= warmup:
                 row["step_s"].append(slowest(m["seconds"]))
                 if m["blocked_s"] is not None:
-                    row["blocked_s"].append(_max_over_ranks(m["blocked_s"]))
+                    row["blocked_s"].append(comm.max_over_ranks(m["blocked_s"]))
         if ctx.rank == 0 and (step + 1) % max(1, (warmup + steps) // 5) == 0:
             print(f"  step {step + 1}/{warmup + steps} ({time.perf_counter() - started:.0f} s)", flush=True)
 

@@ -126,11 +126,9 @@ def _write_error(error: BaseException) -> bool:
     return isinstance(error, OSError) or (isinstance(error, RuntimeError) and "inline_container" in str(error))
 
 
-def _any_rank(failed: bool, device) -> bool:
+def _any_rank(failed: bool) -> bool:
     """Did the write fail on any rank? A collective: every rank learns it, so all stop alike."""
-    flag = torch.tensor([1.0 if failed else 0.0], device=device)
-    comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-    return bool(flag.item())
+    return comm.max_over_ranks(1.0 if failed else 0.0) > 0
 
 
 def _describe_failure(error: BaseException | None, run_dir: Path, root: Path, written: int, step: int) -> str:
@@ -158,7 +156,6 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
     rank = strategy.ctx.rank
-    device = strategy.ctx.device
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         remove_partial_saves(run_dir)
@@ -177,7 +174,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         error = e
     if before_commit is not None:
         before_commit()
-    if not _any_rank(error is not None, device) and rank == 0:  # every rank's files are written
+    if not _any_rank(error is not None) and rank == 0:  # every rank's files are written
         try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
             write_manifest(tmp)
             sync_to_disk(tmp, files=False)
@@ -187,7 +184,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
             sync_to_disk(root, files=False)  # the rename itself survives a power loss
         except OSError as e:
             error = e
-    if _any_rank(error is not None, device):
+    if _any_rank(error is not None):
         written = folder_bytes(tmp) if tmp.is_dir() else 0
         comm.barrier()  # every rank has measured the folder before it goes
         if rank == 0:

@@ -349,20 +349,15 @@ class Trainer:
         the model's own otherwise) finite on every rank? A collective. (Not the module's own
         tensors: ZeRO-3 frees their storage between uses.)"""
         local = [local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
-        bad = torch.tensor([0.0 if all(bool(torch.isfinite(t).all()) for t in local if t.numel()) else 1.0],
-                           device=self.ctx.device)
-        comm.all_reduce(bad, op=comm.ReduceOp.MAX)
-        return bad.item() == 0.0
+        finite = all(bool(torch.isfinite(t).all()) for t in local if t.numel())
+        return comm.max_over_ranks(0.0 if finite else 1.0) == 0.0
 
     def _reduce_metrics(self, history: list[dict]) -> dict:
         """Averages over the steps since the last log, over ranks (loss) or of the slowest rank (time)."""
         n = len(history)
         loss = torch.stack([h["loss"] for h in history]).mean().reshape(1)
         comm.all_reduce(loss)
-        step_s = sum(h["step_s"] for h in history) / n
-        times = torch.tensor([step_s], dtype=torch.float64, device=self.ctx.device)
-        comm.all_reduce(times, op=comm.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        step_s = times.item()
+        step_s = comm.max_over_ranks(sum(h["step_s"] for h in history) / n)  # as long as its slowest rank
         samples_s = self.global_batch / step_s
         out = {
             "train/loss": loss.item() / self.ctx.world_size,
