@@ -153,14 +153,10 @@ def _ring(group) -> tuple[int, int, int, int]:
     return r, n, _global(group, (r + 1) % n), _global(group, (r - 1) % n)
 
 
-def _direct(op: str, chunk_bytes: int, n: int) -> bool:
-    return n > 2 and chunk_bytes < DIRECT_BELOW_BYTES[op]  # at n = 2 both schedules are the same one step
-
-
 def sends_direct(op: str, chunk_bytes: int, n: int) -> bool:
     """Does the ring's `op` ("reduce_scatter" or "all_gather") on n ranks with chunks of
     `chunk_bytes` send each chunk straight to its rank (else: every chunk to the next rank)?"""
-    return _direct(op, chunk_bytes, n)
+    return n > 2 and chunk_bytes < DIRECT_BELOW_BYTES[op]  # at n = 2 both schedules are the same one step
 
 
 def _exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
@@ -199,7 +195,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, piece_byte
         return
     if m == 0:
         return
-    if _direct("reduce_scatter", m * input.element_size(), n):
+    if sends_direct("reduce_scatter", m * input.element_size(), n):
         others = [q for q in range(n) if q != r]
         got = {q: torch.empty(m, dtype=input.dtype, device=input.device) for q in others}
         _exchange_all({q: chunks[q] for q in others}, got, group)
@@ -232,7 +228,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: i
         chunks[r].copy_(input.reshape(-1))
     if n == 1 or m == 0:
         return
-    if _direct("all_gather", m * input.element_size(), n):
+    if sends_direct("all_gather", m * input.element_size(), n):
         others = [q for q in range(n) if q != r]
         _exchange_all({q: chunks[r] for q in others}, {q: chunks[q] for q in others}, group)
         return
