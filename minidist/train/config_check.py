@@ -48,7 +48,8 @@ def grad_accum_steps(cfg, world_size: int) -> int:
 
 
 def resolve_resume(cfg, run_dir: Path) -> Path | None:
-    """The checkpoint to continue from, or None for a fresh start."""
+    """The checkpoint to continue from, verified (its manifest, then every file opened safely:
+    safe_load.py), or None for a fresh start."""
     resume = str(cfg.trainer.resume)
     if resume == "none":
         if latest_checkpoint(run_dir) is not None:
@@ -61,6 +62,7 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
     if not path.is_dir():
         raise ConfigError(f"trainer.resume={resume!r} is not a folder: give auto, none, or a "
                           "checkpoints/step_XXXXXXXX folder")
+    verify_checkpoint_files(path)  # no file of it runs code when opened
     return path
 
 
@@ -82,7 +84,13 @@ def newest_readable_checkpoint(run_dir: Path) -> Path | None:
 
 
 def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
-    verify_checkpoint_files(ckpt)  # no file of it runs code when opened (safe_load.py)
+    """Verify checkpoint `ckpt` (safe_load.py), then check that this run can continue it."""
+    verify_checkpoint_files(ckpt)  # no file of it runs code when opened
+    check_run_fits(cfg, ckpt, world_size)
+
+
+def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
+    """Model, strategy, shapes and world size of a verified checkpoint against this run's."""
     meta = read_meta(ckpt)
     saved = meta["config"]
     if saved["model"] != _plain(cfg.model):
@@ -167,7 +175,7 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one micro-batch on each of "
                           f"{world_size} ranks (trainer.micro_batch_size={t.micro_batch_size}): use more data, a "
                           "smaller trainer.micro_batch_size, or fewer ranks")
-    ckpt = resolve_resume(cfg, run_dir)
+    ckpt = resolve_resume(cfg, run_dir)  # verified once, there (hashing a large checkpoint twice costs)
     if ckpt is not None:
-        check_resume_matches(cfg, ckpt, world_size)
+        check_run_fits(cfg, ckpt, world_size)
     return ckpt
