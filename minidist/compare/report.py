@@ -245,7 +245,8 @@ def report_markdown(results: dict, rows: dict, environment: dict, command: str) 
         "",
         "- *final param diff*: the largest |difference| of any parameter or buffer after the last step, "
         f"against the reference; *check*: ours within the tolerance {float(rows and next(iter(rows.values()))['tolerance']):g}.",
-        "- *step ms*: median (min-max) of the slowest rank's step time; */ ref*: ratio of medians.",
+        "- *step ms*: median (min-max) of the slowest rank's step time; */ ref [95%]*: median of the step-by-step "
+        "ratios to the reference (interleaved pairs) and its 95% bootstrap interval.",
         "- *exposed comm*, *hidden*: from one profiled step — communication time (the backend's collectives "
         "from start to end, our ring's runs) not overlapped / overlapped with compute on the training thread.",
         "- *state*: parameters, gradients, optimizer state (and our communication buffers) on the busiest "

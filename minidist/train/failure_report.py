@@ -17,11 +17,11 @@ import os
 import traceback
 from pathlib import Path
 
+from minidist.train.checkpoint import latest_checkpoint
+
 
 def restart_plan(run_dir: Path) -> str:
     """What happens next: torchrun's restart (and from which checkpoint) or the end of the run."""
-    from minidist.train.checkpoint import latest_checkpoint
-
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if done >= restarts:
