@@ -32,6 +32,14 @@ def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int
     return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+def paired_ratio(times: list[float], reference: list[float]) -> dict:
+    """`times` over `reference`, step by step (each pair ran back to back, so drift between pairs
+    cancels): the median ratio and the 95% bootstrap interval of that median."""
+    ratios = [a / b for a, b in zip(times, reference)]
+    low, high = bootstrap_median_ci(ratios)
+    return {"median": statistics.median(ratios), "ci": [low, high]}
+
+
 class PeakSampler:
     """Sample live tensor bytes at hook points of one (untimed) step: forward of each module,
     each parameter's gradient arriving, and explicit calls. The max is the step's peak."""
@@ -61,6 +69,19 @@ def require_known(what: str, given, known) -> None:
     unknown = set(given) - set(known)
     if unknown:
         raise SystemExit(f"unknown {what} {sorted(unknown)}; choose from {sorted(known)}")
+
+
+def provenance(repo: Path, command: str, torch_version: str) -> dict:
+    """Where a committed benchmark result came from: the commit (marked when the code that ran had
+    uncommitted changes; docs/ is left out, the document scripts rewrite it as they go), the
+    command, torch's version and the date."""
+    import subprocess
+    import time
+
+    git = lambda *args: subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
+    return {"commit": git("rev-parse", "HEAD") + ("+uncommitted changes" if dirty else ""), "command": command,
+            "torch": torch_version, "date": time.strftime("%Y-%m-%d")}
 
 
 def write_json(path: str | None, payload: dict) -> None:

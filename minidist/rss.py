@@ -115,9 +115,13 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
     return result
 
 
+def target_bytes(r: dict) -> float:
+    """issue 8's bound on a measure_state_rss result: 1.15 x the formula + 8 MiB + the buffers in flight."""
+    return 1.15 * r["formula_bytes"] + 8 * 2**20 + r["inflight_bytes"]
+
+
 def within_target(r: dict) -> bool:
-    """issue 8's bound: RSS <= 1.15 x the formula + 8 MiB + the buffers in flight."""
-    return r["rss_bytes"] <= 1.15 * r["formula_bytes"] + 8 * 2**20 + r["inflight_bytes"]
+    return r["rss_bytes"] <= target_bytes(r)
 
 
 def allocate_and_free(mib: int) -> tuple[int, int]:

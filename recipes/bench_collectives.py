@@ -150,13 +150,14 @@ def sizes(cfg) -> list[int]:
     return out
 
 
-def write_outputs(rows: list[dict], out_dir: Path, memcpy: float, n: int, backend: str) -> None:
+def write_outputs(rows: list[dict], out_dir: Path, memcpy: float, n: int, backend: str, cfg) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    meta = {"world_size": n, "backend": backend, "memcpy_GBps": memcpy / 1e9, "torch": torch.__version__}
+    meta = {"world_size": n, "backend": backend, "memcpy_GBps": memcpy / 1e9, "torch": torch.__version__,
+            "warmup": int(cfg.warmup), "iters": int(cfg.iters), "repeats": int(cfg.repeats)}
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
 
     from torch.utils.tensorboard import SummaryWriter
@@ -218,7 +219,7 @@ def bench_main(cfg_dict: dict) -> None:
                                 f"{row['algbw_GBps']:>12.3f}{row['busbw_GBps']:>12.3f}")
     if rank == 0:
         out_dir = Path(cfg.out_dir)
-        write_outputs(rows, out_dir, memcpy, n, ctx.backend)
+        write_outputs(rows, out_dir, memcpy, n, ctx.backend, cfg)
         print(f"wrote {out_dir}/results.csv, results.json, busbw.png, tensorboard/", flush=True)
     comm.barrier()
     minidist.shutdown()

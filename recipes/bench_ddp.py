@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import require_known, rotated, slowest, write_json
+from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.train.models import GPT, count_parameters
 
@@ -120,9 +120,8 @@ def bench_model(name: str, cfg, rank: int) -> dict:
         q1, _, q3 = statistics.quantiles(times[v], n=4) if len(times[v]) > 1 else (med, med, med)
         row = {"median_step_s": med, "iqr_s": [q1, q3],
                "ratio_to_native": med / native_median if native_median else None,
-               # the median of step-by-step ratios: each pair ran back to back, so drift cancels
-               "paired_ratio": (statistics.median(a / b for a, b in zip(times[v], times["native"]))
-                                if native_median else None),
+               # the median of step-by-step ratios and its 95% interval: each pair ran back to back
+               "paired_ratio": paired_ratio(times[v], times["native"]) if native_median else None,
                "steps": len(times[v])}
         if exposed[v]:
             row["exposed_comm_s"] = statistics.median(exposed[v])
@@ -141,7 +140,7 @@ def print_result(res: dict) -> None:
         exp = f"{row['exposed_comm_s'] * 1e3:.1f} ms" if "exposed_comm_s" in row else "-"
         alone = f"{row['standalone_comm_s'] * 1e3:.1f} ms" if "standalone_comm_s" in row else "-"
         iqr = f"{row['iqr_s'][0] * 1e3:.0f}-{row['iqr_s'][1] * 1e3:.0f} ms"
-        paired = f"{row['paired_ratio']:.3f}" if row["paired_ratio"] else "-"
+        paired = f"{row['paired_ratio']['median']:.3f}" if row["paired_ratio"] else "-"
         print(f"  {v:<20}{row['median_step_s'] * 1e3:>9.1f} ms{iqr:>16}{ratio:>12}{paired:>8}{exp:>14}{alone:>12}"
               f"{row.get('buckets', '-'):>9}")
 
@@ -159,7 +158,8 @@ def bench_main(cfg_dict: dict) -> None:
         if ctx.rank == 0:
             print_result(res)
     if ctx.rank == 0:
-        write_json(cfg.out, {"world_size": ctx.world_size, "results": results})
+        write_json(cfg.out, {"world_size": ctx.world_size, "warmup": int(cfg.warmup), "steps": int(cfg.steps),
+                             "results": results})
     minidist.shutdown()
 
 

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import require_known, rotated, slowest, write_json
+from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -64,10 +64,12 @@ def bench_main(cfg_dict: dict) -> None:
                     if k >= int(cfg.warmup):
                         times[alg].append(elapsed)
             b, r = statistics.median(times["backend"]), statistics.median(times["ring"])
-            ratio = statistics.median(x / y for x, y in zip(times["backend"], times["ring"]))
+            speedup = paired_ratio(times["backend"], times["ring"])
+            ratio = speedup["median"]
             bus = {alg: s / statistics.median(t) / 1e9 * BUS_FACTOR[op](n) for alg, t in times.items()}
             rows.append({"op": op, "bytes": s, "world_size": n, "backend_ms": b * 1e3, "ring_ms": r * 1e3,
-                         "busbw_backend_GBps": bus["backend"], "busbw_ring_GBps": bus["ring"], "speedup": ratio})
+                         "busbw_backend_GBps": bus["backend"], "busbw_ring_GBps": bus["ring"], "speedup": ratio,
+                         "speedup_ci": speedup["ci"], "rounds": len(times["ring"])})
             minidist.print0(f"{op:<16}{s:>11}{b * 1e3:>12.2f}{r * 1e3:>10.2f}"
                             f"{bus['backend']:>9.2f}/{bus['ring']:<8.2f}{ratio:>10.2f}")
         size *= int(cfg.factor)

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, require_known, rotated, slowest, write_json
+from minidist.benchmarking import PeakSampler, paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
@@ -124,12 +124,15 @@ def bench_main(cfg_dict: dict) -> None:
     for name in names:
         for key in ("state_bytes", "peak_bytes"):
             rows[name][key] = int(comm.max_over_ranks(rows[name][key]))
+    # ratios of paired steps (each pair ran back to back), the median and its 95% interval
     if "ddp" in rows:
         for name in names:
-            rows[name]["ratio_to_ddp"] = rows[name]["median_step_s"] / rows["ddp"]["median_step_s"]
+            ratio = paired_ratio(times[name], times["ddp"])
+            rows[name]["ratio_to_ddp"], rows[name]["ratio_to_ddp_ci"] = ratio["median"], ratio["ci"]
     for ours, native in COUNTERPART.items():
         if ours in rows and native in rows:
-            rows[ours]["ratio_to_native"] = rows[ours]["median_step_s"] / rows[native]["median_step_s"]
+            ratio = paired_ratio(times[ours], times[native])
+            rows[ours]["ratio_to_native"], rows[ours]["ratio_to_native_ci"] = ratio["median"], ratio["ci"]
     if ctx.rank == 0:
         print(f"\n  {'variant':<14}{'median step':>12}{'/ ddp':>8}{'/ native':>10}{'state MB':>10}"
               f"{'state/Psi':>11}{'peak MB':>9}")
@@ -138,7 +141,8 @@ def bench_main(cfg_dict: dict) -> None:
             to_native = f"{r['ratio_to_native']:.3f}" if "ratio_to_native" in r else "-"
             print(f"  {name:<14}{r['median_step_s'] * 1e3:>9.1f} ms{to_ddp:>8}{to_native:>10}"
                   f"{r['state_bytes'] / 2**20:>10.1f}{r['state_per_psi']:>11.2f}{r['peak_bytes'] / 2**20:>9.1f}")
-        write_json(cfg.out, {"world_size": ctx.world_size, "psi": psi, "results": rows})
+        write_json(cfg.out, {"world_size": ctx.world_size, "psi": psi, "warmup": int(cfg.warmup), "steps": int(cfg.steps),
+                             "results": rows})
     minidist.shutdown()
 
 

@@ -200,11 +200,12 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
 
 
 ALGORITHMS = ("auto", "backend", "ring")
-# Where our send/recv ring measurably beats the backend (docs/benchmarks.md, recipes/bench_ring.py):
-# from how many bytes (the whole buffer) it wins. gloo's reduce_scatter at every size measured
-# (64 KiB up); gloo's all_gather from 4 MiB (below, at 2 ranks, gloo's is as fast or faster).
+# Where our send/recv ring measurably beats the backend (recipes/bench_ring.py;
+# docs/benchmarks/components.md compares this table with the committed runs): from how many
+# bytes (the whole buffer) it wins. gloo's reduce_scatter at every size measured (64 KiB up);
+# gloo's all_gather from 4 MiB (below, at 2 ranks, gloo's is as fast or faster).
 # gloo's all_reduce and every nccl collective stay the backend's.
-_RING_WINS_FROM = {"gloo": {"reduce_scatter": 0, "all_gather": 4 << 20}}
+RING_WINS_FROM = {"gloo": {"reduce_scatter": 0, "all_gather": 4 << 20}}
 
 
 def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0) -> str:
@@ -213,7 +214,7 @@ def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0) -> str:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     backend = dist.get_backend(group)
     if algorithm == "auto":
-        wins_from = _RING_WINS_FROM.get(backend, {}).get(op)
+        wins_from = RING_WINS_FROM.get(backend, {}).get(op)
         return "ring" if wins_from is not None and nbytes >= wins_from else "backend"
     if algorithm == "ring" and backend != "gloo":
         raise ValueError(f"the send/recv ring runs on gloo process groups, not {backend}: use algorithm='backend'")

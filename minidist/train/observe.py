@@ -10,6 +10,7 @@ and, at the end, a summary table with the `tensorboard --logdir` command.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -98,6 +99,8 @@ class RunLog:
         finals = {f"final/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and k != "step"}
         self.writer.add_hparams(hparams, finals, run_name=".")
         self.writer.flush()
+        # the same figures for scripts (e.g. scripts/make_components.py), beside the resolved config
+        (self.run_dir / "summary.json").write_text(json.dumps({**summary, "config": hparams}, indent=1, default=str) + "\n")
         print(format_summary(summary, self.run_dir), flush=True)
 
     def close(self) -> None:

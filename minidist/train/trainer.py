@@ -289,7 +289,8 @@ class Trainer:
         self.log.stop_progress()
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
-        summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps}
+        summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps,
+                   "parameters": self.n_params}
         if self.scaler.is_enabled():
             summary["loss_scale"] = float(self.scaler.get_scale())  # fp16: where the overflows left it
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
