@@ -38,3 +38,36 @@ def test_a_target_is_met_only_when_the_whole_interval_is_under_it():
     assert speed_verdict({**row, "time_ratio_ci": [0.97, 1.00]}) == "met"
     assert speed_verdict({**row, "time_ratio_ci": [0.97, 1.004]}).startswith("undecided")  # no rounding first
     assert speed_verdict({**row, "time_ratio": 1.05, "time_ratio_ci": [1.01, 1.08]}) == "NOT met"
+
+
+COMPONENTS = ROOT / "scripts" / "make_components.py"
+
+
+def load_components_script():
+    spec = importlib.util.spec_from_file_location("make_components", COMPONENTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_component_document_is_the_rendering_of_its_data():
+    make_components = load_components_script()
+    assert make_components.render() == (ROOT / "docs" / "benchmarks" / "components.md").read_text(), \
+        "docs/benchmarks/components.md differs from its data: run python scripts/make_components.py --render-only"
+
+
+def test_every_component_run_is_committed_with_where_it_came_from():
+    make_components = load_components_script()
+    for name in make_components.RUNS:
+        f = ROOT / "docs" / "benchmarks" / "data" / f"component_{name}.json"
+        assert f.is_file(), f"{f.name} missing: run python scripts/make_components.py --only {name}"
+        data = json.loads(f.read_text())
+        assert data["provenance"]["command"] == make_components.command(name), f
+        assert len(data["provenance"]["commit"]) >= 40 and data["provenance"]["torch"], f
+
+
+def test_a_speedup_target_needs_the_whole_interval_above_it():
+    make_components = load_components_script()
+    assert make_components.at_least([1.52, 2.0], 1.5) == "met"
+    assert make_components.at_least([1.49, 2.0], 1.5) == "undecided"
+    assert make_components.at_least([1.1, 1.45], 1.5) == "NOT met"
