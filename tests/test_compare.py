@@ -199,6 +199,23 @@ def test_analyse_hidden_fraction_and_bytes():
     assert t["bytes"]["all_reduce"] == {"calls": 1, "bytes": 1000, "sent_bytes": 1000.0}
 
 
+def test_analyse_reads_the_gpu_kernels_when_the_trace_has_them():
+    """CUDA: the host only enqueues, so overlap is read from the device's kernels: an NCCL kernel
+    4-8 ms beside compute kernels 0-6 ms is half hidden, whatever the host threads did."""
+    us = 1000.0
+    events = [
+        {"name": "minidist.anchor", "ts": 0, "dur": 0, "tid": 1},
+        {"name": "minidist.forward", "ts": 0, "dur": 1 * us, "tid": 1},
+        {"name": "minidist.backward", "ts": 1 * us, "dur": 1 * us, "tid": 1},
+        {"name": "aten::mm", "ts": 0, "dur": 2 * us, "tid": 1},  # host time: not what counts on a GPU
+        {"name": "ampere_sgemm_128x64", "cat": "kernel", "ts": 0, "dur": 6 * us, "tid": 7},
+        {"name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "cat": "kernel", "ts": 4 * us, "dur": 4 * us, "tid": 8},
+    ]
+    t = analyse(events, 0, [], [], world_size=2)
+    assert t["hidden_fraction"] == pytest.approx(0.5) and t["exposed_comm_s"] == pytest.approx(2e-3)
+    assert t["clock"].startswith("GPU kernels") and t["compute"] == [(0.0, 6e-3)]
+
+
 def test_references_and_theory():
     names = ["ddp", "zero2", "native_ddp"]
     refs = {"ddp": "native_ddp", "zero2": "ds_zero2"}

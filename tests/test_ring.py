@@ -193,3 +193,23 @@ def test_shutdown_waits_for_ring_calls_in_flight():
     from minidist.launch import run_local
 
     assert all(run_local(shutdown_with_transfers_in_flight, nproc=2).values())
+
+
+def auto_on_cuda_tensors():
+    """choose_algorithm with CUDA tensors on a gloo group (no GPU needed: it only reads the device)."""
+    big = 64 << 20
+    chosen = [comm.choose_algorithm(op, None, "auto", big, torch.device(d))
+              for op in ("reduce_scatter", "all_gather") for d in ("cpu", "cuda")]
+    try:
+        comm.choose_algorithm("reduce_scatter", None, "ring", big, torch.device("cuda"))
+    except ValueError as e:
+        return chosen, str(e)
+    return chosen, ""
+
+
+def test_gloo_groups_holding_cuda_tensors_never_get_the_ring(ranks):
+    """gloo's send/recv take CPU tensors only: auto falls back to the backend for CUDA tensors, and
+    an explicit ring says why it cannot run."""
+    chosen, refused = ranks(2).run(auto_on_cuda_tensors)[0]
+    assert chosen == ["ring", "backend", "ring", "backend"]
+    assert "CPU tensors" in refused and "algorithm='backend'" in refused

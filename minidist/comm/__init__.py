@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from minidist.comm import check as _checks
 from minidist.comm import ring
 from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
+from minidist.timing import Span
 
 ReduceOp = dist.ReduceOp
 
@@ -58,10 +59,23 @@ class CommRecord:
     algorithm: str = "backend"      # "backend" (torch.distributed's collective) or "ring" (minidist.comm.ring)
     blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
     group_ranks: tuple = ()         # the group's members, as world ranks (tells a mesh's groups apart)
+    # On NCCL the host is never blocked (wait() only makes the current stream wait): the time the
+    # current stream stalled on the collective, as CUDA-event spans around the call / each wait().
+    device_timed: bool = False
+    device_spans: list = field(default_factory=list)
 
     @property
     def duration(self) -> float | None:
         return None if self.completed is None else self.completed - self.issued
+
+    def blocked_seconds(self) -> float:
+        """Time the computation waited for this call: on the stream's clock where the call was
+        device-timed (NCCL), on the host's otherwise. Reading device spans waits for them."""
+        return sum(s.seconds() for s in self.device_spans) if self.device_timed else self.blocked_s
+
+    def pending(self) -> bool:
+        """Not finished: never waited for, or (device-timed) its wait not yet passed on the stream."""
+        return self.completed is None or not all(s.done() for s in self.device_spans)
 
 
 def ring_bytes_sent(op: str, nbytes: int, n: int, is_root: bool = False) -> float:
@@ -132,8 +146,9 @@ class CommTracer:
 
     @property
     def blocked_s(self) -> float:
-        """Time the calling thread spent blocked on communication: the part not hidden behind compute."""
-        return sum(r.blocked_s for r in self.records)
+        """Time the computation spent waiting for communication: the part not hidden behind it
+        (the host thread's on gloo; the current CUDA stream's on NCCL, read from its events)."""
+        return sum(r.blocked_seconds() for r in self.records)
 
     def format_summary(self) -> str:
         lines = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'sent (ring)':>14}"]
@@ -154,6 +169,10 @@ def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bo
                      sent_bytes=ring_bytes_sent(op, int(nbytes), n, is_root), algorithm=algorithm,
                      group_ranks=tuple(dist.get_process_group_ranks(group)) if group is not None
                      else tuple(range(dist.get_world_size())))
+    if dist.get_backend(group) == "nccl":
+        rec.device_timed = True
+        if not async_op:
+            rec.device_spans.append(Span("cuda").start())  # a sync call's stall: until _finish stops it
     for tracer in CommTracer._active:
         tracer.records.append(rec)
     return rec
@@ -170,6 +189,7 @@ class Handle:
     def wait(self, timeout: datetime.timedelta | float | None = None) -> None:
         if not self._done:
             start = time.perf_counter()
+            span = Span("cuda").start() if self._record is not None and self._record.device_timed else None
             if timeout is None:
                 self._work.wait()
             else:
@@ -177,11 +197,23 @@ class Handle:
                     timeout = datetime.timedelta(seconds=timeout)
                 self._work.wait(timeout)
             self._done = True
+            if span is not None:  # how long the stream stalled in this wait()
+                self._record.device_spans.append(span.stop())
             if self._record is not None:
                 now = time.perf_counter()
                 self._record.blocked_s += now - start
                 if self._record.completed is None:
                     self._record.completed = now
+
+    def wait_on_stream(self) -> None:
+        """CUDA: make the *current* stream wait for this operation, without counting it as time
+        the computation was blocked (used from a side stream that chains one collective behind
+        another: replicas.py). The host does not wait."""
+        if not self._done:
+            self._work.wait()  # on NCCL: the current stream waits; the call returns at once
+            self._done = True
+            if self._record is not None and self._record.completed is None:
+                self._record.completed = time.perf_counter()
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -196,6 +228,8 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
     if rec is not None:
         rec.completed = time.perf_counter()
         rec.blocked_s = rec.completed - rec.issued
+        if rec.device_spans:
+            rec.device_spans[-1].stop()
     return None
 
 
@@ -208,16 +242,23 @@ ALGORITHMS = ("auto", "backend", "ring")
 RING_WINS_FROM = {"gloo": {"reduce_scatter": 0, "all_gather": 4 << 20}}
 
 
-def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0) -> str:
-    """Resolve "auto" for `op` on `group`'s backend and an `nbytes` buffer; check that "ring" can run there."""
+def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0, device: torch.device | None = None) -> str:
+    """Resolve "auto" for `op` on `group`'s backend and an `nbytes` buffer on `device`; check that
+    "ring" can run there. The ring is built from gloo's send/recv, which take CPU tensors only: a
+    gloo group holding CUDA tensors gets the backend's collective (gloo stages those through the
+    host itself)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     backend = dist.get_backend(group)
+    on_cpu = device is None or torch.device(device).type == "cpu"
     if algorithm == "auto":
         wins_from = RING_WINS_FROM.get(backend, {}).get(op)
-        return "ring" if wins_from is not None and nbytes >= wins_from else "backend"
+        return "ring" if wins_from is not None and nbytes >= wins_from and on_cpu else "backend"
     if algorithm == "ring" and backend != "gloo":
         raise ValueError(f"the send/recv ring runs on gloo process groups, not {backend}: use algorithm='backend'")
+    if algorithm == "ring" and not on_cpu:
+        raise ValueError(f"the send/recv ring takes CPU tensors (gloo's send/recv), not {device} ones: use "
+                         "algorithm='backend' or 'auto'")
     return algorithm
 
 
@@ -287,7 +328,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                algorithm: str = "backend") -> Handle | None:
     """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring."""
-    algorithm = _ring_for_sum("all_reduce", op, group, algorithm, _nbytes(tensor))
+    algorithm = _ring_for_sum("all_reduce", op, group, algorithm, tensor)
     rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_reduce(tensor, group=group, async_op=async_op), rec, async_op)
@@ -302,8 +343,8 @@ def max_over_ranks(value: float, group=None) -> float:
     return t.item()
 
 
-def _ring_for_sum(op_name: str, op, group, algorithm: str, nbytes: int) -> str:
-    algorithm = choose_algorithm(op_name, group, algorithm, nbytes)
+def _ring_for_sum(op_name: str, op, group, algorithm: str, tensor: torch.Tensor) -> str:
+    algorithm = choose_algorithm(op_name, group, algorithm, _nbytes(tensor), tensor.device)
     if algorithm == "ring" and op != ReduceOp.SUM:
         raise ValueError(f"the ring {op_name} sums; for {op} use algorithm='backend'")
     return algorithm
@@ -320,7 +361,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
                     async_op: bool = False, algorithm: str = "backend") -> Handle | None:
     """Gather every rank's `input` into the flat `output` (world_size * input.numel()).
     algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins)."""
-    algorithm = choose_algorithm("all_gather", group, algorithm, _nbytes(output))
+    algorithm = choose_algorithm("all_gather", group, algorithm, _nbytes(output), output.device)
     rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_gather_into(output, input, group=group, async_op=async_op), rec, async_op)
@@ -338,7 +379,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           async_op: bool = False, algorithm: str = "backend") -> Handle | None:
     """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
     algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins)."""
-    algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm, _nbytes(input))
+    algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm, input)
     rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.reduce_scatter_tensor(output, input, group=group, async_op=async_op), rec, async_op)

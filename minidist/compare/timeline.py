@@ -28,6 +28,7 @@ import threading
 import time
 from collections import defaultdict
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from minidist import comm
@@ -172,7 +173,11 @@ def record_step(run, world_size: int, model=None, traced: bool = False, op_group
         ring_spans.append((label, start, end, threading.get_ident() == main))
 
     ring.span_listeners.append(on_ring)
-    prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    # On a GPU the host only enqueues: what overlapped is what ran at the same time on the device,
+    # so the GPU's kernels are recorded too (analyse() then reads them).
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else []),
+                   record_shapes=True)
     try:
         with comm.CommTracer() as tracer:
             with native_stderr_silenced():  # kineto prints start/stop lines and a GPU probe error on CPU
@@ -183,6 +188,8 @@ def record_step(run, world_size: int, model=None, traced: bool = False, op_group
                 run()
             finally:
                 settle(model)
+                if on_gpu:
+                    torch.cuda.synchronize()  # the step's kernels end inside the recording
                 with native_stderr_silenced():
                     prof.stop()
     finally:
@@ -234,6 +241,11 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, records, world_siz
         row["bytes"] += r.bytes
         row["sent_bytes"] += r.sent_bytes
 
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:  # CUDA: the device's own intervals, NCCL's kernels against everything else
+        nccl = [e for e in kernels if e["name"].lower().startswith("nccl")]
+        comm_spans = [(e["name"], *span(e)) for e in nccl]
+        compute = merge([span(e) for e in kernels if e not in nccl])
     comm_intervals = [(a, b) for _, a, b in comm_spans]
     comm_s = length(comm_intervals)
     hidden_s = length(intersect(comm_intervals, compute))
@@ -245,6 +257,7 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, records, world_siz
         "compute_s": length(compute), "comm_s": comm_s, "hidden_s": hidden_s,
         "exposed_comm_s": comm_s - hidden_s,
         "hidden_fraction": hidden_s / comm_s if comm_s > 0 else None,
+        "clock": "GPU kernels (CUDA profiler)" if kernels else "host threads (CPU profiler)",
         "bytes": dict(per_op),
     }
 

@@ -10,6 +10,12 @@ behind it; chained reductions start strictly in issue order (a later bucket's ne
 before an earlier one's), so every rank of a replicate group issues them alike. Each new
 reduction first starts those at the head of the queue whose reduce_scatter is already
 done, so the all_reduces overlap the rest of backward instead of all waiting for its end.
+
+On CUDA the host cannot tell when a reduce_scatter is done without waiting for the GPU (the
+host runs ahead of it, so `is_completed()` would be false at every check and every all_reduce
+would start at the end of backward). There the chain is kept by the device instead: each
+all_reduce is issued at once from a side stream that waits for its reduce_scatter, so it starts
+on the GPU the moment that is done, and neither the host nor the compute stream waits.
 """
 
 from __future__ import annotations
@@ -25,11 +31,20 @@ class ReplicaReduce:
     def __init__(self, group, algorithm: str = "auto"):
         self.group, self.algorithm = group, algorithm
         self._queue: list[_ThenAcrossReplicas] = []
+        self._side_stream = None  # CUDA: where the all_reduces wait for their reduce_scatters
 
     def after(self, handle, tensor: torch.Tensor) -> "_ThenAcrossReplicas":
         """A handle whose wait() returns once `handle` and the all_reduce of `tensor` are done."""
-        self.progress()
         chained = _ThenAcrossReplicas(self, handle, tensor)
+        if tensor.is_cuda:  # chained on the device, started now, in issue order like the host's queue
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(tensor.device)
+            self._side_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # `tensor` is ready there
+            with torch.cuda.stream(self._side_stream):
+                handle.wait_on_stream()  # the side stream, not the computation, waits for the reduce_scatter
+                chained.second = comm.all_reduce(tensor, group=self.group, async_op=True, algorithm=self.algorithm)
+            return chained
+        self.progress()
         self._queue.append(chained)
         return chained
 

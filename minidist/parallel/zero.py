@@ -139,7 +139,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             mesh.replicate > 1 else None
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
-        comm.choose_algorithm("reduce_scatter", self.process_group, collectives)  # raises on a bad choice
+        device = next((p.device for p in module.parameters()), None)
+        comm.choose_algorithm("reduce_scatter", self.process_group, collectives, device=device)  # raises on a bad choice
         self.collectives = collectives
         replicate_from_source(module, self.source_rank, self.dp_group)
         self._buffer_sync = BufferSync(module, broadcast_buffers, self.dp_size, self.source_rank, self.dp_group)

@@ -29,7 +29,7 @@ def collective_failure(error: BaseException, records, step: int, strategy: str,
     text = str(error).strip()
     if not any(sign in text.lower() for sign in _SIGNS):
         return None
-    pending = [r for r in records if r.completed is None]
+    pending = [r for r in records if r.pending()]
     if pending:
         r = pending[0]
         what = f"{r.op} of {r.bytes:,} bytes ({r.algorithm})"
