@@ -44,8 +44,9 @@ class PeakSampler:
     """Sample live tensor bytes at hook points of one (untimed) step: forward of each module,
     each parameter's gradient arriving, and explicit calls. The max is the step's peak."""
 
-    def __init__(self, modules, params, every: int = 8):
+    def __init__(self, modules, params, every: int = 8, device_type: str = "cpu"):
         self.samples: list[int] = []
+        self.device_type = device_type  # the tensors counted: those on this kind of device
         self.active = False
         self._handles = [m.register_forward_hook(lambda *_: self.sample()) for m in modules]
         # every 8th gradient: enough points to see backward's peak, few enough to stay quick
@@ -53,7 +54,7 @@ class PeakSampler:
 
     def sample(self) -> None:
         if self.active:
-            self.samples.append(live_tensor_bytes(collect=False))
+            self.samples.append(live_tensor_bytes(self.device_type, collect=False))
 
     def remove(self) -> None:
         for h in self._handles:

@@ -46,7 +46,8 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
 
 
 def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
-    """Bytes of every live tensor storage in this process, found through the garbage collector.
+    """Bytes of every live tensor storage on `device_type` ("cpu", "cuda": pass the device the
+    model lives on) in this process, found through the garbage collector.
 
     Independent of any bookkeeping of ours: what a strategy's memory_report claims can be
     checked against it. Slow (a scan of all Python objects): for tests and benchmarks only.

@@ -108,7 +108,7 @@ def test_nan_gradients_skip_the_update_or_stop(ranks, tmp_path):
     assert "step 3: non-finite gradient norm (nan): the update was skipped" in \
         (tmp_path / "skip" / "logs" / "rank_0.log").read_text()
 
-    with pytest.raises(Exception, match=r"step 3: non-finite gradient norm \(nan\).*stopping \(trainer.nonfinite=stop\)"):
+    with pytest.raises(Exception, match=r"step 3: non-finite gradient norm \(nan\).*stopping at step 4 \(trainer.nonfinite=stop\)"):
         ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "trainer.nonfinite=stop", "trainer.ckpt_every=2",
                                          "trainer.max_steps=6", strategy="ddp"), str(tmp_path / "stop"), timeout_s=120)
     assert [c.name for c in list_checkpoints(tmp_path / "stop")] == ["step_00000002"]

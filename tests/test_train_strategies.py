@@ -125,6 +125,29 @@ def test_bf16_autocast_trains(ranks, tmp_path):
     assert any(not torch.equal(bf16[0]["full_state"][k], v) for k, v in fp32[0]["full_state"].items())
 
 
+def stage3_dtypes(cfg_dict: dict, run_dir: str) -> dict:
+    """Rank function: what a bf16 run's stage-3 strategy gathers parameters and reduces gradients in."""
+    from minidist.train.trainer import Trainer
+
+    trainer = Trainer(OmegaConf.create(cfg_dict), run_dir)
+    try:
+        model = trainer.model
+        if hasattr(model, "param_dtype"):  # ours
+            return {"param": model.param_dtype, "reduce": model.reduce_dtype}
+        policy = model._get_fsdp_state()._mp_policy  # FSDP2's MixedPrecisionPolicy on the root
+        return {"param": policy.param_dtype, "reduce": policy.reduce_dtype}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "native_fsdp"])
+def test_bf16_stage3_gathers_bf16_parameters_and_reduces_in_fp32(ranks, tmp_path, strategy):
+    """Without param_dtype, autocast's cast cache keeps a bf16 copy of every unit's weights from
+    forward to backward: the trainer passes param_dtype (ours) / a MixedPrecisionPolicy (FSDP2)."""
+    out = ranks(2).run(stage3_dtypes, tiny("trainer.precision=bf16", strategy=strategy), str(tmp_path))
+    assert out[0] == out[1] == {"param": torch.bfloat16, "reduce": torch.float32}
+
+
 @pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2",
                                       pytest.param("native_fsdp", marks=pytest.mark.slow)])
 def test_resume_is_exact_on_every_rank_with_batchnorm(strategy, ranks, tmp_path):

@@ -28,8 +28,8 @@ class Replica:
         self.is_text = info.kind == "text"
         torch.manual_seed(int(cfg.trainer.seed))
         self.net = build_model(cfg.model, info).to(ctx.device)
-        self.strategy = build_strategy(options, ctx)
-        optim_cls, optim_kwargs = optimizer_spec(cfg.optim)
+        self.strategy = build_strategy(options, ctx, str(cfg.trainer.precision))
+        optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
         self.model, self.optimizer = self.strategy.wrap(self.net, optim_cls, optim_kwargs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(int(cfg.optim.warmup_steps), total_steps, float(cfg.optim.min_lr_ratio)))

@@ -67,9 +67,10 @@ def measure_memory(replica: Replica, micro_batches) -> dict:
         return plain_step(*args)
 
     strategy.optimizer_step = measured_step
-    sampler = PeakSampler(list(replica.net.modules()), list(replica.net.parameters()))
+    device_type = replica.ctx.device.type  # count the tensors where the model lives (a GPU's, under nccl)
+    sampler = PeakSampler(list(replica.net.modules()), list(replica.net.parameters()), device_type=device_type)
     try:
-        baseline = live_tensor_bytes()
+        baseline = live_tensor_bytes(device_type)
         sampler.active = True
         replica.step(micro_batches)
         sampler.sample()

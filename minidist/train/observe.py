@@ -132,7 +132,8 @@ def format_summary(s: dict, run_dir: Path) -> str:
         split = f"data {s['time/data_s'] * 1e3:.1f}, compute {s['time/compute_s'] * 1e3:.1f}"
         if "time/exposed_comm_s" in s:
             split += f", exposed comm {s['time/exposed_comm_s'] * 1e3:.1f}"
-        rows.append(("step time", f"{s['time/step_s'] * 1e3:.1f} ms ({split} ms)"))
+        clock = f"; {s['time/clock']}" if "time/clock" in s else ""
+        rows.append(("step time", f"{s['time/step_s'] * 1e3:.1f} ms ({split} ms{clock})"))
     if "comm/bytes_per_step" in s:
         rows.append(("communication", f"{_bytes(s['comm/bytes_per_step'])} sent per step and rank"))
     rows.append(("memory (rank 0)", f"model state {_bytes(s['memory/model_state_bytes'])}, "

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
+from minidist.timing import to_host
 from minidist.train.errors import ConfigError
 from minidist.train.safe_load import load_tensors, save_tensors
 
@@ -57,8 +58,12 @@ class Strategy:
     traces_comm = True  # communication goes through minidist.comm, so CommTracer sees it
     shard_size: int | None = None  # hybrid strategies: the size S of their shard groups
 
-    def __init__(self, cfg, ctx):
+    def __init__(self, cfg, ctx, compute_dtype: torch.dtype | None = None):
         self.cfg, self.ctx = cfg, ctx
+        # bf16 runs: what stage-3 sharding gathers its parameters in (param_dtype / FSDP2's
+        # MixedPrecisionPolicy). Under autocast alone, autocast's cast cache would keep a bf16 copy
+        # of every unit's weights from forward to backward, undoing most of what sharding saves.
+        self.compute_dtype = compute_dtype
         self.net: nn.Module | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -95,9 +100,11 @@ class Strategy:
         if scaler.is_enabled():
             agree_on_overflow(scaler, self.optimizer, self.ctx.device)
         norm = self.clip_grad_norm_(max_norm)
-        if scaler.is_enabled() or bool(torch.isfinite(norm)):
+        if scaler.is_enabled():
             scaler.step(self.optimizer)
             scaler.update()
+        else:
+            step_unless_nonfinite(self.optimizer, norm)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -138,6 +145,24 @@ class Strategy:
         })
 
 
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
+    """optimizer.step(), skipped when the gradient norm is nan or inf.
+
+    Decided on the device where the optimizer can take the decision itself: fused optimizers
+    (AdamW/Adam/SGD with fused=True, `optim.fused` in the config) read a `found_inf` tensor, as
+    torch.amp.GradScaler hands it to them, and leave parameters, state and step count untouched
+    when it is 1: no host synchronisation. Any other optimizer needs the host to read the norm
+    (a synchronisation on CUDA, free on CPU)."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(())
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif to_host(torch.isfinite(norm), "gradient norm finite"):
+        optimizer.step()
+
+
 def agree_on_overflow(scaler, optimizer, device) -> None:
     """After scaler.unscale_(optimizer): make every rank's found-inf the same, the MAX over ranks.
 
@@ -156,8 +181,8 @@ def agree_on_overflow(scaler, optimizer, device) -> None:
     for value in found.values():
         flag += value.to(device).sum()
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-    for value in found.values():
-        value.fill_(1.0 if flag.item() > 0 else 0.0)
+    for value in found.values():  # on the device: no host read
+        value.copy_((flag > 0).to(value.dtype).to(value.device).reshape(value.shape))
 
 
 class Single(Strategy):
@@ -218,8 +243,8 @@ class OursZero(Strategy):
 
     sharded_checkpoint = True
 
-    def __init__(self, cfg, ctx, stage: int, hybrid: bool = False):
-        super().__init__(cfg, ctx)
+    def __init__(self, cfg, ctx, stage: int, hybrid: bool = False, compute_dtype: torch.dtype | None = None):
+        super().__init__(cfg, ctx, compute_dtype)
         self.stage, self.hybrid = stage, hybrid
         self.name = f"{'hsdp' if hybrid else 'zero'}{stage}"
 
@@ -233,6 +258,8 @@ class OursZero(Strategy):
         kwargs["find_unused_parameters"] = bool(self.cfg.get("find_unused_parameters", False))
         if self.hybrid:
             kwargs["mesh"] = build_mesh(self.cfg)
+        if self.stage == 3 and self.compute_dtype is not None:  # gathered in bf16, reduced in fp32
+            kwargs.update(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=self.stage, **kwargs)
         return model, model.optimizer
 
@@ -376,6 +403,10 @@ class NativeFSDP(Strategy):
         from minidist.parallel.zero3 import plan_units
 
         kwargs = self._mesh_kwargs()
+        if self.compute_dtype is not None:  # as zero3 / hsdp3: gathered in bf16, reduced in fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         trainable = [p for p in net.parameters() if p.requires_grad]
         for _, unit in plan_units(net, trainable, None, int(self.cfg.min_unit_params)):
             fully_shard(unit, **kwargs)
@@ -461,16 +492,19 @@ def strategy_options(name: str, **overrides):
     return OmegaConf.create(options)
 
 
-def build_strategy(cfg, ctx) -> Strategy:
-    """The strategy `cfg.name` names, configured by the rest of `cfg` (the strategy config group)."""
+def build_strategy(cfg, ctx, precision: str = "fp32") -> Strategy:
+    """The strategy `cfg.name` names, configured by the rest of `cfg` (the strategy config group).
+    precision (trainer.precision): bf16 makes stage-3 sharding (zero3, hsdp3, native_fsdp,
+    native_hsdp) gather parameters in bf16 and reduce gradients in fp32."""
     name = cfg.name
     if name not in STRATEGIES:
         raise ConfigError(f"strategy={name!r} is unknown: choose one of {list(STRATEGIES)}")
+    compute_dtype = torch.bfloat16 if precision == "bf16" else None
     if name.startswith(("zero", "hsdp")):
-        return OursZero(cfg, ctx, int(name[-1]), hybrid=name.startswith("hsdp"))
+        return OursZero(cfg, ctx, int(name[-1]), hybrid=name.startswith("hsdp"), compute_dtype=compute_dtype)
     if name.startswith("ds_zero"):
         from minidist.train.deepspeed_strategy import DeepSpeedZero
 
         return DeepSpeedZero(cfg, ctx, int(name[-1]))
     return {"single": Single, "ddp": OursDDP, "native_ddp": NativeDDP, "native_zero1": NativeZero1,
-            "native_fsdp": NativeFSDP, "native_hsdp": NativeHSDP}[name](cfg, ctx)
+            "native_fsdp": NativeFSDP, "native_hsdp": NativeHSDP}[name](cfg, ctx, compute_dtype)

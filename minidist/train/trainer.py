@@ -27,10 +27,12 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
+from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.device_setup import configure_device, to_device
 from minidist.train.faults import FaultPlan
 from minidist.train.hangs import collective_failure
 from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
@@ -52,9 +54,14 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
     return factor
 
 
-def optimizer_spec(optim_cfg) -> tuple[type, dict]:
-    """(optimizer class, keyword arguments) from the optim config group."""
+def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tuple[type, dict]:
+    """(optimizer class, keyword arguments) from the optim config group. `fused: auto` takes the
+    fused kernels on CUDA, where they also skip a non-finite step without a host synchronisation
+    (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
     kwargs = {"lr": float(optim_cfg.lr), "weight_decay": float(optim_cfg.weight_decay)}
+    fused = optim_cfg.get("fused", "auto")
+    if fused == "auto" and device.type == "cuda" or fused is True:
+        kwargs["fused"] = True
     if optim_cfg.name == "adamw":
         kwargs["betas"] = tuple(float(b) for b in optim_cfg.betas)
     else:
@@ -91,6 +98,7 @@ class Trainer:
         t = cfg.trainer
         self.ctx = ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=cfg.launcher.timeout_s)
         self.grad_accum = grad_accum_steps(cfg, ctx.world_size)
+        configure_device(ctx.device, bool(t.get("tf32", False)))
         self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
         self.log = RunLog(cfg, self.run_dir, ctx)
 
@@ -106,8 +114,8 @@ class Trainer:
         self.n_params = count_parameters(self.net)
         self.flops_per_token = gpt_flops_per_token(self.net) if self.is_text else None
 
-        self.strategy = build_strategy(cfg.strategy, ctx)
-        optim_cls, optim_kwargs = optimizer_spec(cfg.optim)
+        self.strategy = build_strategy(cfg.strategy, ctx, str(t.precision))
+        optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
         self.model, self.optimizer = self.strategy.wrap(self.net, optim_cls, optim_kwargs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(t.max_steps), float(cfg.optim.min_lr_ratio)))
@@ -150,17 +158,20 @@ class Trainer:
         return task_loss(out, y, self.is_text)
 
     def train_step(self, batches) -> dict:
-        """One optimizer step over grad_accum micro-batches; returns this rank's measurements."""
-        start = time.perf_counter()
+        """One optimizer step over grad_accum micro-batches; returns this rank's measurements.
+
+        Nothing in it waits for the device: the step and the communication are timed on the
+        device's clock (minidist.timing: CUDA events on CUDA), and the loss, the gradient norm and
+        the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_finite`)."""
+        span = Span(self.ctx.device).start()
         data_s = 0.0
         self.faults.maybe_stall(self.ctx.rank, self.step + 1)
-        with comm.CommTracer() as tracer, self._collectives_named(tracer):
+        with comm.CommTracer() as tracer, self._collectives_named(tracer.records):
             micro_batches = []
             for _ in range(self.grad_accum):
                 t0 = time.perf_counter()
                 x, y = collate(self.train_set, next(batches))
-                micro_batches.append((x.to(self.ctx.device, non_blocking=True),
-                                      y.to(self.ctx.device, non_blocking=True)))
+                micro_batches.append((to_device(x, self.ctx.device), to_device(y, self.ctx.device)))
                 data_s += time.perf_counter() - t0
             clip = float(self.cfg.trainer.grad_clip)
             loss_fn = self._loss
@@ -169,12 +180,9 @@ class Trainer:
             loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, loss_fn,
                                                       clip if clip > 0 else math.inf, self.scaler, self._autocast)
             self.scheduler.step()
-        if self.ctx.device.type == "cuda":
-            torch.cuda.synchronize(self.ctx.device)
-        total = time.perf_counter() - start
-        comm_s = tracer.blocked_s if self.strategy.traces_comm else None
-        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "step_s": total, "data_s": data_s,
-                "comm_s": comm_s, "compute_s": total - data_s - (comm_s or 0.0),
+            span.stop()
+        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "step": span, "data_s": data_s,
+                "comm": tracer if self.strategy.traces_comm else None,
                 "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None,
                 "cross_host": cross_host_sent(tracer.records, self.ctx.rank, self.host_traffic.per_host)
                 if self.strategy.traces_comm and self.host_traffic.multi_host else None}
@@ -211,7 +219,7 @@ class Trainer:
         for b in range(batches):
             first = b * per_batch + self.ctx.rank * t.micro_batch_size
             x, y = collate(self.val_set, list(range(first, first + t.micro_batch_size)))
-            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            x, y = to_device(x, self.ctx.device), to_device(y, self.ctx.device)
             with self._autocast():
                 out = self.model(x)
             n = y.numel()
@@ -221,10 +229,11 @@ class Trainer:
                 sums[1] += (out.argmax(-1) == y).sum()
         self.model.train()
         comm.all_reduce(sums)
-        count = max(1.0, sums[2].item())
-        result = {"val/loss": sums[0].item() / count}
+        loss_sum, correct, count = to_host(sums, "validation sums")
+        count = max(1.0, count)
+        result = {"val/loss": loss_sum / count}
         if not self.is_text:
-            result["val/accuracy"] = sums[1].item() / count
+            result["val/accuracy"] = correct / count
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -261,6 +270,7 @@ class Trainer:
         self.log.start_progress(self.step, int(t.max_steps))
         last_eval: dict = {}
         history: list[dict] = []
+        unchecked: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet read on the host
         start = self.step
         while self.step < end:
             if t.get("timeline_step") is not None and self.step + 1 == int(t.timeline_step):
@@ -272,19 +282,25 @@ class Trainer:
             if m["cross_host"] is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m["cross_host"])
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
-            # fp16: an overflow is the scaler's routine (it skipped the step and lowered its scale on
-            # every rank alike), not a non-finite step to count or stop for.
-            if not self.scaler.is_enabled() and not math.isfinite(float(m["grad_norm"])):
-                self._non_finite(float(m["grad_norm"]))
             history.append(m)
-            if self.step % t.log_every == 0 or self.step == end:
-                self.log.scalars(self.step, self._reduce_metrics(history))
-                history = []
+            unchecked.append((self.step, m["grad_norm"]))
+            log_now = self.step % t.log_every == 0 or self.step == end
+            eval_now = t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end)
+            save_now = (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end  # and always the last
+            # The host reads device values only at these steps, where a stuck collective of the
+            # steps since shows up (on NCCL, nothing waits for one before): name it then.
+            with self._collectives_named([r for h in history if h["comm"] for r in h["comm"].records], self.step):
+                if log_now or eval_now or save_now:
+                    self._check_finite(unchecked)
+                    unchecked = []
+                if log_now:
+                    self.log.scalars(self.step, self._reduce_metrics(history))
+                    history = []
             self.log.advance(self.step)
-            if t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end):
+            if eval_now:
                 last_eval = self.evaluate()
                 self.log.scalars(self.step, last_eval)
-            if (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end:  # and always the last
+            if save_now:
                 self.save()
         self.log.stop_progress()
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
@@ -298,19 +314,21 @@ class Trainer:
         summary["state_digest"] = state_digest(self.net)
         if self.host_traffic.multi_host:
             summary.update(self._cross_host_traffic())
+        summary["time/clock"] = clock_name(self.ctx.device)
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
         self.log.finish(summary)
         return summary
 
     @contextlib.contextmanager
-    def _collectives_named(self, tracer):
-        """A communication failure inside becomes a CollectiveFailure naming this step and the
-        collective this rank was waiting for."""
+    def _collectives_named(self, records: list, step: int | None = None):
+        """A communication failure inside becomes a CollectiveFailure naming the step (`step`, else
+        the one running) and the collective this rank was waiting for (the first pending one among
+        `records`)."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - re-raised, described or as it was
-            failure = collective_failure(e, tracer.records, self.step + 1, self.strategy.name,
+            failure = collective_failure(e, records, self.step + 1 if step is None else step, self.strategy.name,
                                          float(self.cfg.launcher.timeout_s))
             if failure is None:
                 raise
@@ -332,17 +350,32 @@ class Trainer:
             out["comm/cross_host_packets_per_step"] = both[1].item()
         return out
 
-    def _non_finite(self, norm: float) -> None:
-        """The step's gradient norm was nan or inf: the strategy skipped the update (every rank
-        alike, the norm being global). Count it, and stop if trainer.nonfinite=stop."""
+    def _check_finite(self, unchecked: list[tuple[int, torch.Tensor]]) -> None:
+        """Read the gradient norms of the steps since the last check (one host read, at a log, eval
+        or checkpoint step: none in between) and report those that were nan or inf.
+
+        The strategy already skipped those updates on the device (every rank alike, the norm being
+        global). fp16: an overflow is the scaler's routine (it skipped the step and lowered its scale
+        on every rank alike), not a non-finite step to count or stop for."""
+        if not unchecked or self.scaler.is_enabled():
+            return
+        norms = to_host(torch.stack([n for _, n in unchecked]).reshape(-1), "gradient norms")
+        for (step, _), norm in zip(unchecked, norms if isinstance(norms, list) else [norms]):
+            if not math.isfinite(norm):
+                self._non_finite(step, norm)
+
+    def _non_finite(self, step: int, norm: float) -> None:
+        """Step `step`'s gradient norm was nan or inf and its update was skipped. Count it, and stop
+        if trainer.nonfinite=stop (at this check, which comes at the next log, eval or checkpoint
+        step: trainer.log_every=1 stops at once)."""
         self.skipped_steps += 1
         policy = str(self.cfg.trainer.get("nonfinite", "skip"))
-        message = (f"step {self.step}: non-finite gradient norm ({norm}): the update was skipped "
+        message = (f"step {step}: non-finite gradient norm ({norm}): the update was skipped "
                    f"({self.skipped_steps} skipped so far)")
         if policy == "stop":
             latest = latest_checkpoint(self.run_dir)
-            raise FloatingPointError(f"{message}; stopping (trainer.nonfinite=stop). Latest checkpoint: "
-                                     f"{latest or 'none'}")
+            raise FloatingPointError(f"{message}; stopping at step {self.step} (trainer.nonfinite=stop). Latest "
+                                     f"checkpoint: {latest or 'none'}")
         self.log.info(f"warning: {message}; training goes on (trainer.nonfinite=skip)")
 
     def _parameters_finite(self) -> bool:
@@ -350,7 +383,8 @@ class Trainer:
         the model's own otherwise) finite on every rank? A collective. (Not the module's own
         tensors: ZeRO-3 frees their storage between uses.)"""
         local = [local_tensor(p) for g in self.optimizer.param_groups for p in g["params"]]
-        finite = all(bool(torch.isfinite(t).all()) for t in local if t.numel())
+        checks = [torch.isfinite(t).all() for t in local if t.numel()]
+        finite = to_host(torch.stack(checks).all(), "parameters finite") if checks else True  # one read
         return comm.max_over_ranks(0.0 if finite else 1.0) == 0.0
 
     def _reduce_metrics(self, history: list[dict]) -> dict:
@@ -358,22 +392,25 @@ class Trainer:
         n = len(history)
         loss = torch.stack([h["loss"] for h in history]).mean().reshape(1)
         comm.all_reduce(loss)
-        step_s = comm.max_over_ranks(sum(h["step_s"] for h in history) / n)  # as long as its slowest rank
+        steps = [h["step"].seconds() for h in history]  # on CUDA: waits for the last step's end event
+        comms = [h["comm"].blocked_s if h["comm"] is not None else 0.0 for h in history]
+        step_s = comm.max_over_ranks(sum(steps) / n)  # as long as its slowest rank
         samples_s = self.global_batch / step_s
+        data_s = sum(h["data_s"] for h in history) / n
         out = {
-            "train/loss": loss.item() / self.ctx.world_size,
-            "grad_norm": history[-1]["grad_norm"].item(),
+            "train/loss": to_host(loss, "loss") / self.ctx.world_size,
+            "grad_norm": to_host(history[-1]["grad_norm"], "gradient norm"),
             "lr": self.scheduler.get_last_lr()[0],
             "time/step_s": step_s,
-            "time/data_s": sum(h["data_s"] for h in history) / n,
-            "time/compute_s": sum(h["compute_s"] for h in history) / n,
+            "time/data_s": data_s,
+            "time/compute_s": sum(steps) / n - data_s - sum(comms) / n,
             "throughput/samples_per_s": samples_s,
             "throughput/samples_per_s_per_rank": samples_s / self.ctx.world_size,
             "memory/model_state_bytes": self.strategy.memory_report()["total"],
             "memory/peak_bytes": peak_memory_bytes(self.ctx.device),
         }
-        if history[-1]["comm_s"] is not None:
-            out["time/exposed_comm_s"] = sum(h["comm_s"] for h in history) / n
+        if history[-1]["comm"] is not None:
+            out["time/exposed_comm_s"] = sum(comms) / n
             out["comm/bytes_per_step"] = sum(h["comm_bytes"] for h in history) / n
         if self.is_text:
             tokens_s = samples_s * self.tokens_per_sample
