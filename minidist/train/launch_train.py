@@ -17,11 +17,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from minidist.dist import choose_backend, detect_launch
 from minidist.launch import run_local, under_launcher
 from minidist.train.config_check import validate
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
 from minidist.train.failure_report import report_failure
+from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
 
 
 def local_nproc(launcher_cfg) -> int:
@@ -90,6 +92,8 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
 
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if choose_backend(cfg.launcher.backend, detect_launch().local_world_size) == "nccl":
+        enable_flight_recorder(Path(run_dir) / "logs")  # a stuck collective is dumped, named (nccl_debug.py)
     ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
     trainer, path = None, Path(run_dir)
     try:
@@ -140,5 +144,7 @@ def launch(cfg, run_dir: str | Path) -> int:
     except ChildFailedError as e:
         print(f"error: training failed on rank(s) {sorted(e.failures)}; each rank's log is in {run_dir / 'logs'}",
               file=sys.stderr)
+        if (line := dumps_line(run_dir / "logs")) is not None:
+            print(line, file=sys.stderr)
         return 1
     return 0
