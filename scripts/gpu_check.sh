@@ -1,36 +1,100 @@
 #!/usr/bin/env bash
-# GPU checks, one command, on a machine with CUDA (never needed for `make test`):
-#   1. the primitives tour on nccl, one rank per GPU
-#   2. the collective benchmark on nccl, one rank per GPU
-#   3. the GPU-capable tests (tests/test_gpu.py; more join as issues add them)
-#   4. the trainer on nccl, one rank per GPU: every strategy in bf16 (a sweep), ddp in fp16 with
-#      the gradient scaler, and the default run (its final validation loss is in the summary)
-# Uses .venv when present, else the machine's python3 (PYTHONPATH points at this checkout).
+# The GPU check: one prepared command for a lent GPU machine (about 5 minutes on one H200).
+#
+#   scripts/gpu_check.sh                       # on a machine with CUDA
+#   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh   # every stage on CPU (gloo, world size 1): tests this script
+#
+# Everything goes under ${OUT:-outputs/gpu_check}, removed first (a warm machine must not resume
+# old checkpoints). Each stage has a time limit and its own log there; the last lines printed are
+# a PASS/FAIL table (what comes back from a remote run). Stages:
+#   versions   torch / CUDA / NCCL versions, the GPU and its compute capability
+#   tests      tests/test_gpu.py (the helpers on NCCL, DDP and ZeRO against native, sync-free steps, compile)
+#   tour       the primitives tour on nccl
+#   bench      the collective benchmark on nccl, sizes up to 64 MiB
+#   bf16       one sweep (recipes/train.py -m) over our and the native strategies in bf16, 20 steps
+#   fp16       ddp and native_ddp in fp16 (the gradient scaler)
+#   resume     a run stopped at step 10, then resumed to 20 in the same run directory
+#   summaries  scripts/gpu_check_summaries.py: losses agree across strategies, exposed communication
+#              and MFU are plausible numbers; the summaries are copied to OUT/summaries/
+#   compare    with 2+ GPUs: recipes/compare.py on all of them (exit 1 if any strategy differs from native)
+# Two NCCL ranks cannot share one GPU ("Duplicate GPU detected"): with one GPU every NCCL run has
+# world size 1, which checks the CUDA paths but not communication between GPUs.
+# Uses $PYTHON if set, else .venv when present, else the machine's python3 (PYTHONPATH points at this checkout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
-OUT_DIR=${OUT_DIR:-outputs/gpu_check}
-mkdir -p "$OUT_DIR"
+OUT=${OUT:-outputs/gpu_check}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+STEPS=${GPU_CHECK_STEPS:-20}
+rm -rf "$OUT" && mkdir -p "$OUT" || { echo "gpu_check: cannot create $OUT"; exit 2; }
+TABLE="$OUT/table.txt"
+: > "$TABLE"
 
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-if [ "$NGPU" -lt 1 ]; then echo "gpu_check: no CUDA device visible; nothing to check"; exit 1; fi
-$PY -c "import torch; print('torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0), 'x', torch.cuda.device_count())"
+if [ "$DRY" = 1 ]; then
+    NPROC=1 BACKEND=gloo
+    echo "gpu_check: DRY RUN on CPU (gloo, world size 1): every stage as on a GPU, to test this script"
+else
+    NPROC=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+    BACKEND=nccl
+    if [ "$NPROC" -lt 1 ]; then
+        echo "gpu_check: no CUDA device visible (GPU_CHECK_DRY_RUN=1 runs the stages on CPU)"; exit 1
+    fi
+fi
+[ "$NPROC" -eq 1 ] && echo "gpu_check: world size 1 everywhere: two NCCL ranks cannot share one GPU"
+COMMON=(launcher.nproc="$NPROC" launcher.backend="$BACKEND" launcher.timeout_s=120 trainer.progress=false
+        trainer.eval_every=0 trainer.eval_batches=2 trainer.log_every=5)
 
+# stage NAME LIMIT_S COMMAND...: run it with a time limit, its output in OUT/NAME.log; one table row.
 status=0
-run() { echo; echo "=== $*"; "$@" || { echo "=== FAILED: $*"; status=1; }; }
+stage() {
+    local name=$1 limit=$2; shift 2
+    local start=$SECONDS result
+    echo; echo "=== $name (limit ${limit} s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    case $? in
+        0) result=PASS ;;
+        124|137) result=TIMEOUT; status=1 ;;
+        *) result=FAIL; status=1 ;;
+    esac
+    tail -n 15 "$OUT/$name.log"
+    printf '%-10s %-8s %5d s  %s\n' "$name" "$result" $((SECONDS - start)) "$OUT/$name.log" >> "$TABLE"
+}
+skip() { printf '%-10s %-8s %5s    %s\n' "$1" SKIP - "$2" >> "$TABLE"; }
 
-run $PY -m torch.distributed.run --standalone --nproc_per_node "$NGPU" recipes/tour.py backend=nccl
-run $PY -m torch.distributed.run --standalone --nproc_per_node "$NGPU" recipes/bench_collectives.py \
-    backend=nccl max_bytes=${BENCH_MAX_BYTES:-268435456} out_dir="$OUT_DIR/bench_collectives"
-run $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py ${GPU_TESTS:-}
-run $PY recipes/train.py -m strategy=ddp,zero1,zero2,zero3,native_ddp,native_zero1,native_fsdp \
-    trainer.precision=bf16 trainer.max_steps=30 trainer.eval_every=0 trainer.progress=false \
-    hydra.sweep.dir="$OUT_DIR/train_sweep_bf16"
-run $PY recipes/train.py strategy=ddp trainer.precision=fp16 trainer.max_steps=30 trainer.progress=false \
-    hydra.run.dir="$OUT_DIR/train_fp16"
-run $PY recipes/train.py trainer.progress=false hydra.run.dir="$OUT_DIR/train_default"
+stage versions 60 $PY -c "
+import torch, platform
+print('python', platform.python_version(), '| torch', torch.__version__, '| cuda', torch.version.cuda)
+if torch.cuda.is_available():
+    print('nccl', '.'.join(map(str, torch.cuda.nccl.version())))
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        print(f'gpu {i}: {p.name}, compute capability {p.major}.{p.minor}, {p.total_memory / 2**30:.0f} GiB')
+else:
+    print('no CUDA device: CPU only')
+"
+stage tests 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py ${GPU_TESTS:-}
+stage tour 120 $PY recipes/tour.py nproc="$NPROC" backend="$BACKEND"
+stage bench 180 $PY recipes/bench_collectives.py nproc="$NPROC" backend="$BACKEND" max_bytes=67108864 \
+    out_dir="$OUT/bench_collectives"
+stage bf16 360 $PY recipes/train.py -m \
+    strategy=ddp,zero1,zero2,zero3,hsdp2,hsdp3,native_ddp,native_zero1,native_fsdp,native_hsdp \
+    trainer.precision=bf16 trainer.max_steps="$STEPS" "${COMMON[@]}" hydra.sweep.dir="$OUT/sweep_bf16"
+stage fp16 180 $PY recipes/train.py -m strategy=ddp,native_ddp trainer.precision=fp16 \
+    trainer.max_steps="$STEPS" "${COMMON[@]}" hydra.sweep.dir="$OUT/sweep_fp16"
+stage resume 180 bash -c "$PY recipes/train.py trainer.max_steps=$STEPS trainer.stop_at=$((STEPS / 2)) \
+    ${COMMON[*]} hydra.run.dir=$OUT/resume && $PY recipes/train.py trainer.max_steps=$STEPS ${COMMON[*]} \
+    hydra.run.dir=$OUT/resume && grep -q 'resumed from' $OUT/resume/logs/rank_0.log"
+stage summaries 60 $PY scripts/gpu_check_summaries.py "$OUT"
+if [ "$NPROC" -ge 2 ]; then
+    stage compare 300 $PY recipes/compare.py launcher.nproc="$NPROC" launcher.backend="$BACKEND" \
+        compare.strategies=[ddp,native_ddp,zero2,zero3,native_fsdp] compare.steps=10 hydra.run.dir="$OUT/compare"
+else
+    skip compare "needs 2+ GPUs (world size 1 here)"
+fi
+find "$OUT" -name '*.csv' -not -path "$OUT/csv/*" -exec sh -c 'mkdir -p "$1/csv"; cp "$2" "$1/csv/$(echo "${2#$1/}" | tr / _)"' _ "$OUT" {} \;
 
-echo; [ $status -eq 0 ] && echo "gpu_check: all passed" || echo "gpu_check: SOME CHECKS FAILED"
+echo; echo "gpu_check: $([ "$DRY" = 1 ] && echo 'DRY RUN on CPU' || echo "$NPROC GPU(s), nccl"), world size $NPROC"
+cat "$TABLE"
+[ $status -eq 0 ] && echo "gpu_check: PASS" || echo "gpu_check: FAIL"
 exit $status
