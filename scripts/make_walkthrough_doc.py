@@ -99,8 +99,9 @@ def render() -> str:
         "",
         markdown_table(headers, body),
         "",
-        f"Correctness: {equal}. With two ranks a sum of two numbers does not depend on its order, and dividing "
-        "by 2 is exact, so all of them can agree to the last bit.",
+        f"Correctness: {equal}." + (" With two ranks a sum of two numbers does not depend on its order, and "
+                                     "dividing by 2 is exact, so all of them can agree to the last bit."
+                                     if worst == 0 and r["world_size"] == 2 else ""),
         "",
         "## Step 1: naive",
         "",
