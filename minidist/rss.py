@@ -116,7 +116,8 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
 
 
 def target_bytes(r: dict) -> float:
-    """issue 8's bound on a measure_state_rss result: 1.15 x the formula + 8 MiB + the buffers in flight."""
+    """The resident-memory target on a measure_state_rss result: 1.15 x the ZeRO formula + 8 MiB + the
+    buffers in flight (what the ZeRO paper counts, plus allocator slack and the strategy's own buffers)."""
     return 1.15 * r["formula_bytes"] + 8 * 2**20 + r["inflight_bytes"]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from minidist.compare.report import max_state_difference, reference_for
 from minidist.compare.theory import theoretical_bytes
-from minidist.compare.timeline import analyse, call_payload, intersect, length, merge, subtract
+from minidist.profiling.timeline import analyse, call_payload, intersect, length, merge, subtract
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "compare.py"

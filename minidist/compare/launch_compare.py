@@ -61,7 +61,7 @@ def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
     from minidist.compare.plots import all_plots
     from minidist.compare.report import (build_rows, console_table, environment_info, regressions, targets_lines,
                                          write_outputs)
-    from minidist.compare.timeline import write_chrome_trace
+    from minidist.profiling.timeline import write_chrome_trace
 
     rows = build_rows(results, cfg.compare)
     timeline_files = []

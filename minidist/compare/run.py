@@ -29,7 +29,7 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import PeakSampler, rotated, slowest
 from minidist.compare.replica import Replica
-from minidist.compare.timeline import record_step
+from minidist.profiling.timeline import record_step
 from minidist.memory import live_tensor_bytes
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate

@@ -95,15 +95,16 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             process_group.
     """
 
+    # stage -> the class that implements it. Each stage's module registers itself (stages 1-2
+    # below, 3 in zero3.py, which minidist.parallel imports), so this base never imports a
+    # subclass: zero3.py builds on zero.py, not the other way round.
+    _stages: dict[int, type] = {}
+
     def __new__(cls, *args, stage: int = 2, **kwargs):
         if cls is ShardedDataParallel:
             if stage not in (1, 2, 3):
                 raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
-            if stage == 3:
-                from minidist.parallel.zero3 import ZeroStage3
-                cls = ZeroStage3
-            else:
-                cls = ZeroStage12
+            cls = ShardedDataParallel._stages[stage]
         return super().__new__(cls)
 
     # ------------------------------------------------------------------ shared set-up
@@ -367,7 +368,11 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                  find_unused_parameters: bool = False, **unused):
         nn.Module.__init__(self)
         if unused:
-            raise TypeError(f"unexpected arguments for stage {stage}: {sorted(unused)} (stage 3 only?)")
+            stage3 = {"unit_policy", "min_unit_params", "prefetch"}
+            raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: "
+                             + ("those size and prefetch stage 3's units; stages 1-2 reduce in buckets "
+                                "(bucket_cap_mb). Use stage=3 for units." if set(unused) <= stage3 else
+                                f"unknown argument(s); see help(ShardedDataParallel)."))
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
@@ -530,3 +535,6 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()
+
+
+ShardedDataParallel._stages.update({1: ZeroStage12, 2: ZeroStage12})

@@ -95,6 +95,10 @@ class ZeroStage3(ShardedDataParallel):
                  overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False):
         nn.Module.__init__(self)
+        if bucket_cap_mb is not None:
+            raise ValueError(f"ShardedDataParallel(stage=3) does not take bucket_cap_mb={bucket_cap_mb}: stage 3 "
+                             "gathers and reduces one unit (a block of layers) at a time, not buckets. Size the "
+                             "units with min_unit_params or unit_policy, or use stage 1 or 2 for buckets.")
         if find_unused_parameters:
             raise ValueError(
                 "ShardedDataParallel(stage=3) does not take find_unused_parameters=True: each unit's gradients "
@@ -325,3 +329,6 @@ class ZeroStage3(ShardedDataParallel):
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()
+
+
+ShardedDataParallel._stages[3] = ZeroStage3

@@ -36,7 +36,7 @@ import torch
 from minidist.memory import measure
 from minidist.train.errors import ConfigError
 from minidist.train.safe_load import save_tensors, verify_checkpoint_files
-from minidist.train.strategy import Strategy
+from minidist.train.strategy_base import Strategy
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
 

@@ -34,155 +34,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minidist.memory import measure, optimizer_tensors
-from minidist.timing import to_host
 from minidist.train.errors import ConfigError
 from minidist.train.safe_load import load_tensors, save_tensors
+from minidist.train.strategy_base import (Strategy, agree_on_overflow, local_tensor,  # noqa: F401  (public here too)
+                                          step_unless_nonfinite)
 
 OURS = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
 NATIVE = ("native_ddp", "native_zero1", "native_fsdp", "native_hsdp")
 DEEPSPEED = ("ds_zero1", "ds_zero2", "ds_zero3")
 STRATEGIES = OURS + NATIVE + DEEPSPEED
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (fully_shard's parameters), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class Strategy:
-    """The interface. Subclasses implement `_wrap`; the rest has defaults for replicated models."""
-
-    name = ""
-    sharded_checkpoint = False
-    traces_comm = True  # communication goes through minidist.comm, so CommTracer sees it
-    shard_size: int | None = None  # hybrid strategies: the size S of their shard groups
-
-    def __init__(self, cfg, ctx, compute_dtype: torch.dtype | None = None):
-        self.cfg, self.ctx = cfg, ctx
-        # bf16 runs: what stage-3 sharding gathers its parameters in (param_dtype / FSDP2's
-        # MixedPrecisionPolicy). Under autocast alone, autocast's cast cache would keep a bf16 copy
-        # of every unit's weights from forward to backward, undoing most of what sharding saves.
-        self.compute_dtype = compute_dtype
-        self.net: nn.Module | None = None
-        self.model: nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-
-    def wrap(self, net: nn.Module, optim_cls, optim_kwargs: dict):
-        """Wrap `net` (already on ctx.device) and build its optimizer; return (model, optimizer)."""
-        self.net = net
-        self.model, self.optimizer = self._wrap(net, optim_cls, dict(optim_kwargs))
-        return self.model, self.optimizer
-
-    def _wrap(self, net, optim_cls, optim_kwargs):
-        raise NotImplementedError
-
-    def no_sync(self):
-        """Backward passes inside accumulate locally; the next one outside synchronises."""
-        return self.model.no_sync()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global gradient norm and return it (before clipping)."""
-        return torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's loss (already divided by the accumulation steps)."""
-        loss.backward()
-
-    def optimizer_step(self, max_norm: float, scaler) -> torch.Tensor:
-        """End of an optimizer step: unscale (fp16), clip to `max_norm` by the global norm, step,
-        zero the gradients. Returns the norm before clipping.
-
-        A non-finite norm (a nan or inf gradient anywhere, on any rank: the norm is global, so
-        every rank sees the same) skips the update: the parameters and optimizer state stay as
-        they were. (With fp16 the gradient scaler does this itself, and lowers its scale.)"""
-        scaler.unscale_(self.optimizer)
-        if scaler.is_enabled():
-            agree_on_overflow(scaler, self.optimizer, self.ctx.device)
-        norm = self.clip_grad_norm_(max_norm)
-        if scaler.is_enabled():
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
-            step_unless_nonfinite(self.optimizer, norm)
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
-
-    def full_state_dict(self) -> dict:
-        """The plain state_dict of the bare model on rank 0 ({} elsewhere). A collective."""
-        return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()} if self.ctx.rank == 0 else {}
-
-    def optimizer_state_dict(self) -> dict:
-        """The whole optimizer state on rank 0 ({} elsewhere). A collective."""
-        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
-    def load_full_state_dict(self, state: dict) -> None:
-        self.net.load_state_dict(state)
-
-    # -- checkpoints
-    def save(self, directory: Path) -> None:
-        """Write this rank's part of the model and optimizer state into `directory`. A collective."""
-        model, optim = self.full_state_dict(), self.optimizer_state_dict()
-        if self.ctx.rank == 0:
-            save_tensors(model, directory / "model.pt")
-            save_tensors(optim, directory / "optimizer.pt")
-
-    def load(self, directory: Path, saved_shards: int) -> None:
-        """Restore what `save` wrote (every rank reads the full files)."""
-        self.load_full_state_dict(load_tensors(directory / "model.pt", map_location=self.ctx.device))
-        self.load_optimizer_state_dict(load_tensors(directory / "optimizer.pt", map_location=self.ctx.device))
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
-        params = [local_tensor(p) for p in self.net.parameters()]
-        return measure({
-            "parameters": params,
-            "gradients": [local_tensor(p.grad) for p in self.net.parameters() if p.grad is not None],
-            "optimizer_state": [local_tensor(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
-        })
-
-
-def step_unless_nonfinite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:
-    """optimizer.step(), skipped when the gradient norm is nan or inf.
-
-    Decided on the device where the optimizer can take the decision itself: fused optimizers
-    (AdamW/Adam/SGD with fused=True, `optim.fused` in the config) read a `found_inf` tensor, as
-    torch.amp.GradScaler hands it to them, and leave parameters, state and step count untouched
-    when it is 1: no host synchronisation. Any other optimizer needs the host to read the norm
-    (a synchronisation on CUDA, free on CPU)."""
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.found_inf = (~torch.isfinite(norm)).float().reshape(())
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
-    elif to_host(torch.isfinite(norm), "gradient norm finite"):
-        optimizer.step()
-
-
-def agree_on_overflow(scaler, optimizer, device) -> None:
-    """After scaler.unscale_(optimizer): make every rank's found-inf the same, the MAX over ranks.
-
-    The scaler checks the gradients this rank's optimizer holds. Under ZeRO and fully_shard that
-    is one shard, so an inf in one rank's shard would make that rank alone skip the step and lower
-    its scale, and the replicas would drift apart. One small all_reduce makes the decision global.
-    (It writes torch.amp.GradScaler's per-optimizer record of unscale_, the state step() and
-    update() read; the constraints file pins the torch it was checked against.)"""
-    import torch.distributed as dist
-
-    from minidist import comm
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    flag = torch.zeros(1, device=device)
-    for value in found.values():
-        flag += value.to(device).sum()
-    comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-    for value in found.values():  # on the device: no host read
-        value.copy_((flag > 0).to(value.dtype).to(value.device).reshape(value.shape))
 
 
 class Single(Strategy):

@@ -190,8 +190,8 @@ class Trainer:
     def traced_step(self, batches) -> dict:
         """train_step under torch.profiler: rank 0 writes <run dir>/timeline_step_N.json (Chrome
         trace, every rank) and .png (what recipes/compare.py compare.timeline=true draws)."""
-        from minidist.compare.plots import timeline_plot
-        from minidist.compare.timeline import record_step, write_chrome_trace
+        from minidist.profiling.timeline_plot import timeline_plot
+        from minidist.profiling.timeline import record_step, write_chrome_trace
 
         result: dict = {}
         trace = record_step(lambda: result.update(self.train_step(batches)), self.ctx.world_size, self.model)
