@@ -165,3 +165,28 @@ def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, t
     older.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="none of the 2 checkpoints .* can be read"):
         resolve_resume(cfg, run_dir)
+
+
+def test_a_short_write_on_a_nearly_full_disk_is_reported_as_one(tmp_path, monkeypatch):
+    """torch's writer can see a short write the OS did not raise for (buffered); with next to no
+    space left it is a full disk, reported with the OS's errno; elsewhere torch's error stands."""
+    import collections
+    import errno
+
+    import pytest
+    import torch
+
+    from minidist.train import safe_load
+
+    def short_write(obj, f):
+        raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(safe_load.shutil, "disk_usage", lambda p: usage(10, 10, 0))
+    with pytest.raises(OSError) as raised:
+        safe_load.save_tensors({}, tmp_path / "x.pt")
+    assert raised.value.errno == errno.ENOSPC and "x.pt" in str(raised.value)
+    monkeypatch.setattr(safe_load.shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    with pytest.raises(RuntimeError, match="file write failed"):
+        safe_load.save_tensors({}, tmp_path / "y.pt")

@@ -262,3 +262,18 @@ def test_soak_three_kills_in_a_thousand_steps(tmp_path):
                "with_kills_s": round(killed_s, 1), "lost_s": round(killed_s - straight_s, 1),
                "redone_steps": sum(s % 50 for s in steps)}
     print("soak:", json.dumps(figures))
+
+
+def test_sigterm_from_the_launcher_becomes_an_error_the_rank_can_report():
+    """torchrun stops the survivors of a dead rank with SIGTERM: the trainer turns it into an
+    exception, so the survivor still prints its one line (step reached, what happens next)."""
+    import os
+    import signal
+
+    from minidist.train.launch_train import StoppedByLauncher, sigterm_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StoppedByLauncher, match="the launcher stopped this rank"):
+        with sigterm_raises():
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as soon as os.kill returns
+    assert signal.getsignal(signal.SIGTERM) is before

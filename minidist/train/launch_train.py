@@ -83,8 +83,39 @@ def quiet_unless_rank0(run_dir: Path, rank: int):
             os.close(saved[0]), os.close(saved[1])
 
 
+class StoppedByLauncher(RuntimeError):
+    """SIGTERM: the launcher is stopping this rank (another rank failed, or the job was cancelled)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """While inside, SIGTERM raises StoppedByLauncher, so a rank the launcher stops (torchrun stops
+    the survivors when a rank dies; SLURM on scancel or at the time limit) still says in one line
+    which step it had reached and what happens next, instead of vanishing without a word."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # handlers live in the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise StoppedByLauncher("the launcher stopped this rank (SIGTERM): another rank failed, or the job was "
+                                "cancelled")
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     """One rank's whole run: init, train, close. Returns the run's summary."""
+    with sigterm_raises():
+        return _run_rank(cfg_dict, run_dir, resume_from)
+
+
+def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     import torch
 
     import minidist

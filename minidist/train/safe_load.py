@@ -20,7 +20,10 @@ beyond them either.
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,9 @@ def load_tensors(path: Path, map_location="cpu", mmap: bool = False, allow: list
                                 "truncated or not a torch checkpoint; resume from another checkpoint") from e
 
 
+FULL_DISK_BYTES = 1 << 20  # free space under which a short write is taken for a full disk
+
+
 def save_tensors(obj: Any, path: Path) -> None:
     """torch.save into a file opened here: a failed write raises the OS's own OSError (errno,
     message), where torch's path-based writer only reports "unexpected pos"."""
@@ -75,6 +81,10 @@ def save_tensors(obj: Any, path: Path) -> None:
             if isinstance(e.__context__, OSError):
                 os_error = e.__context__
                 raise OSError(os_error.errno, os_error.strerror, str(path)) from e
+            # A short write the OS did not raise for (buffered: it accepted part of the bytes) on a
+            # disk with next to nothing left: that is a full disk, say so as the OS would.
+            if shutil.disk_usage(Path(path).parent).free < FULL_DISK_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from e
             raise
 
 
