@@ -85,6 +85,25 @@ def provenance(repo: Path, command: str, torch_version: str) -> dict:
             "torch": torch_version, "date": time.strftime("%Y-%m-%d")}
 
 
+def regenerate_document(description: str, doc: Path, runs: dict, render, argv=None) -> None:
+    """The command line of the scripts that render a document from committed benchmark data
+    (scripts/make_*.py): run every entry of `runs` (name -> callable), or only those named by
+    --only prefixes, then write render() to `doc`; --render-only runs nothing."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite the document from the committed data without running anything")
+    parser.add_argument("--only", nargs="*", help="rerun only the runs whose names start with these")
+    args = parser.parse_args(argv)
+    if not args.render_only:
+        for name, run in runs.items():
+            if args.only is None or any(name.startswith(p) for p in args.only):
+                run()
+    Path(doc).write_text(render())
+    print(f"wrote {doc}")
+
+
 def write_json(path: str | None, payload: dict) -> None:
     """Write a benchmark's results (rank 0 only, by the caller) and say where."""
     if not path:

@@ -17,7 +17,7 @@ a target counts as met only when the interval's upper end is at or under it.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import os
 import shutil
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance  # noqa: E402
+from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
 from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
 from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
@@ -413,17 +413,9 @@ def render(img: Path = IMG) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite the document from docs/benchmarks/data/ without running anything")
-    parser.add_argument("--only", nargs="*", help="rerun only the runs whose names start with these")
-    args = parser.parse_args(argv)
-    if not args.render_only:
-        for name, overrides in runs().items():
-            if args.only is None or any(name.startswith(p) for p in args.only):
-                run(name, overrides)
-    DOC.write_text(render())
-    print(f"wrote {DOC} and {IMG}/")
+    regenerate_document(__doc__.splitlines()[0], DOC,
+                        {name: functools.partial(run, name, overrides) for name, overrides in runs().items()},
+                        render, argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ target counts as met only when the whole interval is on the right side of it.
 
 from __future__ import annotations
 
-import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance  # noqa: E402
+from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
 from minidist.comm import RING_WINS_FROM  # noqa: E402
 from minidist.compare.report import markdown_table, speed_verdict  # noqa: E402
 from minidist.rss import formula_bytes, target_bytes  # noqa: E402
@@ -374,17 +374,8 @@ def render() -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite the document from docs/benchmarks/data/ without running anything")
-    parser.add_argument("--only", nargs="*", help="rerun only the runs whose names start with these")
-    args = parser.parse_args(argv)
-    if not args.render_only:
-        for name in RUNS:
-            if args.only is None or any(name.startswith(p) for p in args.only):
-                run(name)
-    DOC.write_text(render())
-    print(f"wrote {DOC}")
+    regenerate_document(__doc__.splitlines()[0], DOC, {name: functools.partial(run, name) for name in RUNS}, render,
+                        argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ computed from that file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance  # noqa: E402
+from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
 from minidist.compare.report import markdown_table  # noqa: E402
 
 OUT = ROOT / "outputs" / "walkthrough_doc"
@@ -161,13 +160,7 @@ def render() -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--render-only", action="store_true", help="rewrite the document from the committed data")
-    args = parser.parse_args(argv)
-    if not args.render_only:
-        run()
-    DOC.write_text(render())
-    print(f"wrote {DOC}")
+    regenerate_document(__doc__.splitlines()[0], DOC, {"walkthrough": run}, render, argv)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from train_cases import ROOT
 SCRIPT = ROOT / "scripts" / "make_benchmarks.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_benchmarks", SCRIPT)
+def load_script(path=SCRIPT):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -44,10 +44,7 @@ COMPONENTS = ROOT / "scripts" / "make_components.py"
 
 
 def load_components_script():
-    spec = importlib.util.spec_from_file_location("make_components", COMPONENTS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(COMPONENTS)
 
 
 def test_the_component_document_is_the_rendering_of_its_data():
