@@ -110,6 +110,13 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0, 1, 0, "127.0.0.1", 0)
 
 
+def launch_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as its launcher set it (torchrun's RANK, SLURM's SLURM_PROCID, 0
+    for a lone process), known before any process group exists: the one rule for "am I rank 0"
+    before init_distributed (after it: ctx.rank, is_main())."""
+    return detect_launch(env).rank
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago (for local rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

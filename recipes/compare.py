@@ -15,7 +15,6 @@ reference's by more than compare.tolerance (a regression check for CI); 2 for a
 config error (one line saying what and how to fix it).
 """
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from minidist.compare.launch_compare import launch
+from minidist.dist import launch_rank
 
 
 def strategy_options(name: str, compare_cfg):
@@ -49,7 +49,7 @@ def main(cfg: DictConfig) -> None:
         check_strategies(cfg)
         options = {name: strategy_options(name, cfg.compare) for name in cfg.compare.strategies}
     except (ConfigError, hydra.errors.MissingConfigException) as e:
-        if os.environ.get("RANK", "0") == "0":
+        if launch_rank() == 0:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     OmegaConf.set_struct(cfg, False)
@@ -61,6 +61,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+    if launch_rank() != 0:
         sys.argv.append("hydra/hydra_logging=disabled")
     main()

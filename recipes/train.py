@@ -11,13 +11,13 @@ Everything (logs, TensorBoard, checkpoints, config.yaml) lands in the run direct
 outputs/train/DATE/TIME unless hydra.run.dir says otherwise. Configuration: configs/train.yaml.
 """
 
-import os
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from minidist.dist import launch_rank
 from minidist.train.launch_train import launch
 
 
@@ -29,6 +29,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+    if launch_rank() != 0:
         sys.argv.append("hydra/hydra_logging=disabled")  # Hydra's own lines come from rank 0 only
     main()

@@ -121,3 +121,11 @@ def test_print0_and_logger_speak_on_rank_zero_only(ranks):
     out0, out1 = ranks(2).run(log_and_print)
     assert "print0 line" in out0 and "logger line" in out0
     assert out1 == ""
+
+
+def test_one_rank_zero_rule_before_the_process_group():
+    from minidist.dist import launch_rank
+
+    assert launch_rank({"RANK": "3", "WORLD_SIZE": "4"}) == 3                   # torchrun
+    assert launch_rank({"SLURM_PROCID": "2", "SLURM_NTASKS": "4"}) == 2         # srun, no torchrun
+    assert launch_rank({}) == 0                                                 # a lone process

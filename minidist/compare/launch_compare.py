@@ -5,12 +5,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from minidist.dist import launch_rank
 from minidist.launch import run_local, under_launcher
 from minidist.train.errors import ConfigError
 from minidist.train.strategy import DEEPSPEED, STRATEGIES
@@ -110,7 +110,7 @@ def launch(cfg, run_dir: Path, command: str) -> int:
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    if not under_launcher() or os.environ.get("RANK") == "0":
+    if launch_rank() == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # the resolved config, once
     if under_launcher():
         return _rank_main(cfg_dict, str(run_dir), command) or 0

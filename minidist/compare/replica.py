@@ -19,7 +19,7 @@ from minidist import comm
 from minidist.train.models import build_model
 from minidist.train.step import optimizer_step_over, task_loss
 from minidist.train.strategy import build_strategy
-from minidist.train.trainer import lr_lambda, optimizer_spec
+from minidist.train.optim import lr_lambda, optimizer_spec
 
 
 class Replica:

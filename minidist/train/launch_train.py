@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from minidist.dist import choose_backend, detect_launch
+from minidist.dist import choose_backend, detect_launch, launch_rank
 from minidist.launch import run_local, under_launcher
 from minidist.train.config_check import validate
 from minidist.train.checkpoint import CheckpointWriteFailed
@@ -155,7 +155,7 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
 def launch(cfg, run_dir: str | Path) -> int:
     """Validate `cfg` and train; return the process exit status."""
     run_dir = Path(run_dir).absolute()
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    rank = launch_rank()
     try:
         world = world_size_for(cfg)
         ckpt = validate(cfg, world, run_dir)
