@@ -262,13 +262,13 @@ class Trainer:
             save_now = (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end  # and always the last
             # The host reads device values only at these steps, where a stuck collective of the
             # steps since shows up (on NCCL, nothing waits for one before): name it then.
-            with self._collectives_named([r for h in history if h["comm"] for r in h["comm"].records], self.step):
-                if log_now or eval_now or save_now:
+            if log_now or eval_now or save_now:
+                with self._collectives_named([r for h in history if h["comm"] for r in h["comm"].records], self.step):
                     self._check_finite(unchecked)
                     unchecked = []
-                if log_now:
-                    self.log.scalars(self.step, self._reduce_metrics(history))
-                    history = []
+                    if log_now:
+                        self.log.scalars(self.step, self._reduce_metrics(history))
+                        history = []
             self.log.advance(self.step)
             if eval_now:
                 last_eval = self.evaluate()
