@@ -3,7 +3,7 @@
 memory_report() counts live tensors; the process can hold more (allocator caches,
 memory a backend keeps for itself). This measures resident set size (RSS) instead:
 
-    launch_fresh(measure_state_rss, nproc=4, args=("zero2", [2048, 2048, 2048], 1.0))
+    launch_fresh(measure_state_rss, nproc=4, args=(name, [2048, 2048, 2048], 1.0))
 
 - every strategy runs in fresh processes, so nothing of an earlier one is counted;
 - MALLOC_MMAP_THRESHOLD_ makes glibc serve large allocations with mmap, so freeing a
@@ -43,11 +43,11 @@ def rss_bytes() -> int:
 
 
 def formula_bytes(strategy: str, psi: int, n: int) -> int:
-    """Model-state bytes per rank the ZeRO paper gives for fp32 parameters and Adam (k = 8)."""
-    per = {"ddp": 16 * psi, "native_ddp": 16 * psi,
-           "zero1": 8 * psi + 8 * psi / n, "native_zero1": 8 * psi + 8 * psi / n,
-           "zero2": 4 * psi + 12 * psi / n, "zero3": 16 * psi / n, "native_fsdp": 16 * psi / n}
-    return int(per[strategy])
+    """Model-state bytes per rank the ZeRO paper gives for fp32 parameters and Adam (k = 8),
+    from the strategy's spec (its ZeRO stage)."""
+    from minidist.train.strategies import spec
+
+    return int(spec(strategy).model_state_bytes(psi, n, precision="fp32"))
 
 
 def _train(strategy, sizes: list[int], steps: int):
@@ -68,7 +68,7 @@ def _train(strategy, sizes: list[int], steps: int):
 
 
 def _options(strategy: str, bucket_cap_mb: float, collectives: str):
-    from minidist.train.strategy import strategy_options
+    from minidist.train.strategies import strategy_options
 
     # min_unit_params=1: every Linear of the measured MLP is a stage-3 unit.
     return strategy_options(strategy, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,
@@ -78,7 +78,7 @@ def _options(strategy: str, bucket_cap_mb: float, collectives: str):
 def _warm_up(strategy: str, bucket_cap_mb: float, collectives: str, ctx) -> None:
     """Run the same strategy once on a tiny model, so every import, kernel, hook type and
     thread it needs exists before the baseline: only the model's own state is measured."""
-    from minidist.train.strategy import build_strategy
+    from minidist.train.strategies import build_strategy
 
     tiny = build_strategy(_options(strategy, bucket_cap_mb, collectives), ctx)
     _train(tiny, [64, 64, 64], steps=2)
@@ -92,7 +92,7 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
     import gc
 
     import minidist
-    from minidist.train.strategy import build_strategy
+    from minidist.train.strategies import build_strategy
 
     torch.set_num_threads(1)
     ctx = minidist.init_distributed(backend="gloo", timeout_s=120)
@@ -106,8 +106,8 @@ def measure_state_rss(strategy: str, sizes: list[int], bucket_cap_mb: float, col
     measured = rss_bytes() - baseline
     report = s.memory_report()
     inflight = report.get("comm_buffers", 0)  # gradient buckets / staging buffers the strategy keeps
-    if strategy in ("ddp", "native_ddp"):
-        inflight = 0  # with bucket views its gradients are its buckets: already in the 16 bytes
+    if s.spec.zero_stage == 0:
+        inflight = 0  # replicated, with bucket views: its gradients are its buckets, already in the 16 bytes
     result = {"strategy": strategy, "collectives": collectives, "rank": ctx.rank, "world_size": ctx.world_size, "psi": psi,
               "rss_bytes": measured, "formula_bytes": formula_bytes(strategy, psi, ctx.world_size),
               "inflight_bytes": inflight, "report_total": report["total"]}

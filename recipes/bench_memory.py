@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from minidist.benchmarking import require_known, write_json
 from minidist.rss import launch_fresh, measure_state_rss, within_target
-from minidist.train.strategy import split_variant
+from minidist.train.strategies import split_variant
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
               "zero1_backend", "zero2_backend", "zero3_backend"]

@@ -32,7 +32,7 @@ from minidist.benchmarking import PeakSampler, paired_ratio, require_known, rota
 from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
-from minidist.train.strategy import build_strategy, split_variant, strategy_options
+from minidist.train.strategies import build_strategy, split_variant, strategy_options
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
             "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring
@@ -40,7 +40,7 @@ COUNTERPART = {"zero1": "native_zero1", "zero3": "native_fsdp"}
 
 
 class Variant:
-    """One strategy (the trainer's adapters, minidist/train/strategy.py) with its own copy of the model."""
+    """One strategy (the trainer's adapters, minidist/train/strategies/) with its own copy of the model."""
 
     def __init__(self, name: str, cfg):
         torch.manual_seed(0)
@@ -48,7 +48,6 @@ class Variant:
         self.net = GPT(vocab_size=g.vocab_size, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head,
                        n_embd=g.n_embd)
         self.name = name
-        # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
         strategy, collectives = split_variant(name)  # collectives=auto: our ring on gloo
         # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
         options = strategy_options(strategy, gradient_as_bucket_view=True, collectives=collectives,

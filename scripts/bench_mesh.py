@@ -1,4 +1,4 @@
-"""Measure one step's communication patterns on a real two-level network, for minidist.sim.
+"""Measure one step's communication patterns on a real two-level network, for minidist.costmodel.
 
 Run on every host under torchrun (scripts/validate_sim.sh does, on emulated hosts with shaped
 links). All collectives are minidist's ring (minidist.comm.ring), the algorithm the cost model
@@ -16,7 +16,7 @@ assumes. It measures:
    hierarchical and hsdp3 (the same within each host's shard group, then an all_reduce of the
    1/S shard across the replicas). The median of --reps timed runs, barrier before each.
 
-Rank 0 writes the JSON `python -m minidist.sim validate` reads.
+Rank 0 writes the JSON `python -m minidist.costmodel validate` reads.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def patterns(mesh, params: int, messages: int) -> dict:
             comm.all_reduce(p, group=mesh.replicate_group, algorithm="ring")
             comm.all_gather_into(t, p, group=mesh.shard_group, algorithm="ring")
 
-    return {"ddp": ddp, "zero3": zero3, "hierarchical": hierarchical, "hsdp3": hsdp3}
+    return {"ddp": ddp, "zero3": zero3, "ddp_hierarchical": hierarchical, "hsdp3": hsdp3}
 
 
 def main() -> None:

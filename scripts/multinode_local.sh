@@ -57,8 +57,9 @@ if [ $# -eq 0 ]; then  # a short run unless told otherwise
         trainer.log_every=5 data.max_bytes=400000
 fi
 # One Hydra sweep over STRATEGIES on the emulated hosts (torchrun starts the ranks once; job j is
-# the j-th strategy, in $OUT/multi/j), and one over TWINS on a single host of as many ranks. The
-# twin sweep gets the hybrid strategies' mesh through strategy.shard_size (ignored by the others).
+# the j-th strategy, in $OUT/multi/j), and over TWINS on a single host of as many ranks. The twins
+# that take a mesh (strategy.shard_size, from their spec) get the emulated hosts' one through it, in
+# a sweep of their own ($OUT/single_mesh); the others run in $OUT/single (they refuse the key).
 list() { echo "$*" | tr ' ' ','; }
 [ "$TWINS" = all ] && TWINS=$STRATEGIES
 common=("trainer.progress=false" "$@")
@@ -74,10 +75,21 @@ if [ "$status" != 0 ]; then
     tail -n 20 "$OUT"/multi.host*.log >&2
     die "the sweep on $HOSTS hosts failed; logs: $OUT/multi.host*.log"
 fi
-timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node $((HOSTS * NPROC_PER_HOST)) \
-    recipes/train.py -m "strategy=$(list $TWINS)" "++strategy.shard_size=$NPROC_PER_HOST" "${common[@]}" \
-    "hydra.sweep.dir=$OUT/single" > "$OUT/single.log" 2>&1 \
-    || { tail -n 20 "$OUT/single.log" >&2; die "the single-host sweep failed: $OUT/single.log"; }
+takes_mesh() { "$PYTHON" -c "import sys; from minidist.train.strategies import spec
+print(' '.join(s for s in sys.argv[2:] if ('shard_size' in spec(s).options) == (sys.argv[1] == 'yes')))" "$@"; }
+single_sweep() {  # single_sweep DIR STRATEGIES... [overrides after --]
+    local dir=$1; shift
+    local names=(); while [ "$1" != -- ]; do names+=("$1"); shift; done; shift
+    [ ${#names[@]} = 0 ] && return 0
+    timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
+        --nproc_per_node $((HOSTS * NPROC_PER_HOST)) recipes/train.py -m "strategy=$(list "${names[@]}")" "$@" \
+        "${common[@]}" "hydra.sweep.dir=$OUT/$dir" > "$OUT/$dir.log" 2>&1 \
+        || { tail -n 20 "$OUT/$dir.log" >&2; die "the single-host sweep failed: $OUT/$dir.log"; }
+}
+MESH_TWINS=$(takes_mesh yes $TWINS)
+FLAT_TWINS=$(takes_mesh no $TWINS)
+single_sweep single $FLAT_TWINS --
+single_sweep single_mesh $MESH_TWINS -- "strategy.shard_size=$NPROC_PER_HOST"
 if [ "$TOLERANCE" = auto ]; then  # REFERENCE again, every sum in another order (see the top)
     timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
         --nproc_per_node $((HOSTS * NPROC_PER_HOST)) recipes/train.py "strategy=$REFERENCE" \
@@ -87,7 +99,7 @@ fi
 
 # Bitwise: every rank of every twin identical and equal to the single host's; every strategy's
 # model within TOLERANCE of REFERENCE's on the single host (other sums: equal within rounding).
-"$PYTHON" - "$OUT" $((HOSTS * NPROC_PER_HOST)) "$REFERENCE" "$TOLERANCE" "$STRATEGIES" "$TWINS" <<'EOF'
+"$PYTHON" - "$OUT" $((HOSTS * NPROC_PER_HOST)) "$REFERENCE" "$TOLERANCE" "$STRATEGIES" "$FLAT_TWINS" "$MESH_TWINS" <<'EOF'
 import re
 import sys
 from pathlib import Path
@@ -95,9 +107,11 @@ from pathlib import Path
 from minidist.train.checkpoint import consolidate, list_checkpoints
 
 out, world, reference, tolerance = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-strategies, twins = sys.argv[5].split(), sys.argv[6].split()
+strategies, flat_twins, mesh_twins = sys.argv[5].split(), sys.argv[6].split(), sys.argv[7].split()
 multi = {s: out / "multi" / str(j) for j, s in enumerate(strategies)}
-single = {s: out / "single" / str(j) for j, s in enumerate(twins)}
+single = {**{s: out / "single" / str(j) for j, s in enumerate(flat_twins)},
+          **{s: out / "single_mesh" / str(j) for j, s in enumerate(mesh_twins)}}
+twins = list(single)
 
 
 def digests(run):

@@ -145,7 +145,7 @@ def test_strategy_list_checks(override, message):
 def test_deepspeed_missing_names_the_install(tmp_path, monkeypatch):
     import builtins
 
-    from minidist.train.deepspeed_strategy import import_deepspeed
+    from minidist.train.strategies.deepspeed import import_deepspeed
     from minidist.train.errors import ConfigError
 
     real_import = builtins.__import__

@@ -39,7 +39,7 @@ def overflow_on_one_rank(agree: bool):
     """Rank 1's gradient holds an inf, rank 0's does not (as when it lies in rank 1's shard)."""
     import torch.distributed as dist
 
-    from minidist.train.strategy import agree_on_overflow
+    from minidist.train.strategies import agree_on_overflow
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = torch.amp.GradScaler("cpu")

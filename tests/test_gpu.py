@@ -198,7 +198,7 @@ def sync_free_steps(cfg_dict: dict, run_dir: str) -> dict:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         metrics = trainer._reduce_metrics(history[1:])
-        records = [r for h in history[1:] if h["comm"] for r in h["comm"].records]
+        records = [r for h in history[1:] if h.comm for r in h.comm.records]
         return {"step_s": metrics["time/step_s"], "exposed_s": metrics.get("time/exposed_comm_s"),
                 "device_timed": all(r.device_timed for r in records), "records": len(records)}
     finally:

@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from minidist.timing import HostReads, Span, clock_name, to_host
-from minidist.train.strategy import step_unless_nonfinite
+from minidist.train.strategies import step_unless_nonfinite
 from train_cases import tiny
 
 

@@ -10,9 +10,9 @@ import torch
 from minidist.train.checkpoint import consolidate, list_checkpoints, read_meta
 from minidist.train.models import build_model
 from minidist.train.data import data_info
-from minidist.train.strategy import STRATEGIES
+from minidist.train.strategies import names
 from omegaconf import OmegaConf
-from train_cases import assert_same, load_everything, tiny, train_on_rank
+from train_cases import CONFIGS, assert_same, load_everything, tiny, train_on_rank
 
 
 HYBRID = ("hsdp2", "hsdp3", "native_hsdp")  # on a 2x2 mesh: 4 ranks, shard groups of 2
@@ -26,9 +26,12 @@ def mesh_options(strategy: str) -> tuple[str, ...]:
     return ("strategy.shard_size=2",) if strategy in HYBRID else ()
 
 
-# The native and DeepSpeed strategies' resume runs in `make test-all`; `make test` keeps ours.
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow) if s.startswith(("native_", "ds_"))
-                                      else s for s in STRATEGIES])
+# The native and DeepSpeed strategies' resume runs in `make test-all`; `make test` keeps ours (but
+# ddp_hierarchical, whose checkpoint is ddp's: test_hierarchical_all_reduce_in_the_trainer_trains_like_ddp
+# runs it in the trainer).
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow)
+                                      if s.startswith(("native_", "ds_")) or s == "ddp_hierarchical" else s
+                                      for s in names() if (CONFIGS / "strategy" / f"{s}.yaml").is_file()])
 def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     pool = ranks(world_for(strategy))
     cfg = tiny(*mesh_options(strategy), strategy=strategy)

@@ -1,11 +1,11 @@
-"""scripts/validate_sim.sh: the cost model (minidist/sim.py) against measurements on 2 emulated hosts
+"""scripts/validate_sim.sh: the cost model (minidist/costmodel.py) against measurements on 2 emulated hosts
 x 2 ranks whose links are shaped with tc (200 Mbit/s between hosts, loopback within): every step
 pattern (ddp, zero3, hierarchical all_reduce, hsdp3) predicted within 25%. Slow (about 20 s of
 saturated links and both cores): `make test-all`. Without root it says so: test_multinode.py.
 
 The 25% bound, from measured errors: with the links from the point-to-point probe, one run at
 each of 100, 200 and 500 Mbit/s (2026-11-30, REPS=5, docs/scale.md) put every pattern between
--12% and +3%; 25% is twice the worst of them. It is what `python -m minidist.sim validate` uses."""
+-12% and +3%; 25% is twice the worst of them. It is what `python -m minidist.costmodel validate` uses."""
 
 import os
 import subprocess

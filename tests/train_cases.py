@@ -29,8 +29,10 @@ TINY = [
 def tiny_overrides(*extra: str, strategy: str = "ddp") -> list[str]:
     other_model = any(o.startswith(("model=", "data=")) for o in extra)
     overrides = [f"strategy={strategy}", *([] if other_model else TINY_GPT), *TINY, *extra]
-    if strategy in ("ddp", "native_ddp", "native_zero1", "single") or strategy.startswith("ds_"):
-        overrides = [o for o in overrides if not o.startswith("strategy.min_unit_params")]
+    from minidist.train.strategies import spec
+
+    if "min_unit_params" not in spec(strategy).options:  # only stage-3 sharding cuts units (others refuse it)
+        overrides = [o for o in overrides if not o.lstrip("+").startswith("strategy.min_unit_params")]
     return overrides
 
 

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from minidist.dist import launch_rank
 from minidist.launch import run_local, under_launcher
 from minidist.train.errors import ConfigError
-from minidist.train.strategy import DEEPSPEED, STRATEGIES
+from minidist.train.strategies import names as strategy_names
+from minidist.train.strategies import spec
 
 
 def check_strategies(cfg) -> None:
@@ -21,15 +22,16 @@ def check_strategies(cfg) -> None:
     names = list(cfg.compare.strategies)
     if not names:
         raise ConfigError("compare.strategies is empty: name at least one, e.g. compare.strategies=[ddp,native_ddp]")
-    unknown = [n for n in names if n not in STRATEGIES]
+    known = strategy_names()
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ConfigError(f"compare.strategies: {unknown} unknown; choose from {list(STRATEGIES)}")
+        raise ConfigError(f"compare.strategies: {unknown} unknown; choose from {list(known)}")
     if len(set(names)) != len(names):
         raise ConfigError(f"compare.strategies={names} names a strategy twice: each runs once per step")
-    if any(n in DEEPSPEED for n in names):
+    if any(spec(n).kind == "deepspeed" for n in names):
         import torch
 
-        from minidist.train.deepspeed_strategy import import_deepspeed
+        from minidist.train.strategies.deepspeed import import_deepspeed
 
         gpu = torch.cuda.is_available() and str(cfg.launcher.backend) != "gloo"
         import_deepspeed("cuda" if gpu else "cpu")  # a ConfigError saying how to install it, if missing
@@ -39,9 +41,9 @@ def check_strategies(cfg) -> None:
             raise ConfigError(f"compare.{key}={value!r} must be an integer >= {1 if key == 'steps' else 0}")
     if not float(cfg.compare.tolerance) >= 0:
         raise ConfigError(f"compare.tolerance={cfg.compare.tolerance!r} must be >= 0")
-    unknown_refs = {k: v for k, v in cfg.compare.references.items() if k not in STRATEGIES or v not in STRATEGIES}
+    unknown_refs = {k: v for k, v in cfg.compare.references.items() if k not in known or v not in known}
     if unknown_refs:
-        raise ConfigError(f"compare.references: {unknown_refs} names unknown strategies; choose from {list(STRATEGIES)}")
+        raise ConfigError(f"compare.references: {unknown_refs} names unknown strategies; choose from {list(known)}")
     if str(cfg.trainer.precision) == "fp16":
         raise ConfigError("trainer.precision=fp16: the comparison runs fp32 or bf16 (loss scaling differs between "
                           "DeepSpeed and torch's GradScaler, so the runs would not be comparable); use fp32 or bf16")

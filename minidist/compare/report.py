@@ -4,10 +4,9 @@
     write_outputs(results, rows, run_dir)          # report.md, results.csv/json, losses.csv, TensorBoard
     failed = regressions(rows)                     # minidist strategies off their reference
 
-A minidist strategy is checked against its reference (compare.references: ddp ->
-native_ddp, zero1 -> native_zero1, zero2 -> ds_zero2, zero3 -> native_fsdp, hsdp3 -> native_hsdp,
-hsdp2 -> native_ddp). When that
-reference is not in the run, native_ddp stands in when present (every strategy trains the
+A minidist strategy is checked against its reference: its spec's (for example zero3 against
+torch's fully_shard), or compare.references[name] when given. When that reference is not in
+the run, the registry's stand-in (torch's DDP) is used when present (every strategy trains the
 same model on the same data, so all should agree). The check: the largest absolute
 difference of any final parameter or buffer <= compare.tolerance.
 """
@@ -23,22 +22,13 @@ import torch
 
 from minidist.benchmarking import bootstrap_median_ci
 from minidist.compare.theory import theoretical_bytes
-from minidist.train.strategy import DEEPSPEED, NATIVE, OURS
+from minidist.train.strategies import reference_for, spec
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 def kind(name: str) -> str:
-    return "minidist" if name in OURS else "native" if name in NATIVE else "deepspeed" if name in DEEPSPEED else "?"
-
-
-def reference_for(name: str, names: list[str], references: dict) -> str | None:
-    preferred = references.get(name)
-    if preferred in names and preferred != name:
-        return preferred
-    if name in OURS and "native_ddp" in names:
-        return "native_ddp"
-    return None
+    return spec(name).kind
 
 
 def max_state_difference(a: dict, b: dict) -> float:
@@ -340,7 +330,7 @@ def environment_info(backend: str) -> dict:
     import os
     import platform
 
-    from minidist.train.deepspeed_strategy import deepspeed_version
+    from minidist.train.strategies.deepspeed import deepspeed_version
 
     return {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": deepspeed_version() or "not installed", "backend": backend}

@@ -32,18 +32,18 @@ from minidist.compare.replica import Replica
 from minidist.profiling.timeline import record_step
 from minidist.memory import live_tensor_bytes
 from minidist.train.config_check import grad_accum_steps
-from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.state import build_data
 from minidist.train.models import count_parameters
+from minidist.train.strategies import spec
 
-NO_OVERLAP = "ddp_no_overlap"  # the timeline's extra: ddp reducing every bucket after backward
+NO_OVERLAP = "_no_overlap"  # the timeline's extra, e.g. ddp_no_overlap: reducing every bucket after backward
 
 
-def _micro_batches(train_set, batches, grad_accum: int, device):
-    out = []
-    for _ in range(grad_accum):
-        x, y = collate(train_set, next(batches))
-        out.append((x.to(device), y.to(device)))
-    return out
+def no_overlap_variant(names: list[str]) -> str | None:
+    """The strategy whose timeline without overlap the comparison also draws: the first of ours
+    that can turn overlap off (strategy.overlap), on a flat world."""
+    return next((n for n in names if spec(n).kind == "minidist" and "overlap" in spec(n).options
+                 and not spec(n).hybrid), None)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -60,23 +60,16 @@ def measure_memory(replica: Replica, micro_batches) -> dict:
     strategy = replica.strategy
     before_step = strategy.memory_report()  # parameters and optimizer state; gradients were freed
     at_optimizer: dict = {}
-    plain_step = strategy.optimizer_step
-
-    def measured_step(*args):  # gradients are complete and still held here: what the ZeRO paper counts
-        at_optimizer.update(strategy.memory_report())
-        return plain_step(*args)
-
-    strategy.optimizer_step = measured_step
     device_type = replica.ctx.device.type  # count the tensors where the model lives (a GPU's, under nccl)
     sampler = PeakSampler(list(replica.net.modules()), list(replica.net.parameters()), device_type=device_type)
     try:
         baseline = live_tensor_bytes(device_type)
         sampler.active = True
-        replica.step(micro_batches)
+        # gradients complete and still held before the optimizer step: what the ZeRO paper counts
+        replica.step(micro_batches, before_optimizer=lambda: at_optimizer.update(strategy.memory_report()))
         sampler.sample()
     finally:
         sampler.remove()
-        del strategy.optimizer_step  # back to the class's method
     return {"model_state": at_optimizer, "peak_bytes": before_step["total"] + max(0, sampler.peak - baseline)}
 
 
@@ -93,11 +86,8 @@ def compare_rank(cfg_dict: dict, run_dir: str) -> dict | None:
 def _compare(cfg, ctx) -> dict | None:
     c, t = cfg.compare, cfg.trainer
     grad_accum = grad_accum_steps(cfg, ctx.world_size)
-    block_size = int(cfg.model.get("block_size", 0)) or 1
-    torch.manual_seed(int(t.seed))
-    train_set, _, info = build_datasets(cfg.data, block_size)
-    sampler = ShardedBatchSampler(len(train_set), ctx.rank, ctx.world_size, int(t.micro_batch_size), seed=int(t.seed))
-    batches = iter(sampler)
+    data = build_data(cfg, ctx)  # the trainer's data and sampler (train/state.py)
+    info, batches = data.info, iter(data.sampler)
     names = list(c.strategies)
     warmup, steps = int(c.warmup), int(c.steps)
     total = warmup + steps + 2  # + the profiled step and the memory step
@@ -111,38 +101,39 @@ def _compare(cfg, ctx) -> dict | None:
     per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": []} for n in names}
     started = time.perf_counter()
     for step in range(warmup + steps):
-        micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+        micro = data.micro_batches(batches, grad_accum, ctx.device)
         for n in rotated(names, step):
             comm.barrier()
             m = replicas[n].step(micro)
             row = per[n]
-            row["loss"].append(_mean_over_ranks(m["loss"]))
-            row["grad_norm"].append(m["grad_norm"])
+            row["loss"].append(_mean_over_ranks(m.loss))
+            row["grad_norm"].append(m.grad_norm)
             if step >= warmup:
-                row["step_s"].append(slowest(m["seconds"]))
-                if m["blocked_s"] is not None:
-                    row["blocked_s"].append(comm.max_over_ranks(m["blocked_s"]))
+                row["step_s"].append(slowest(m.seconds))
+                if m.blocked_s is not None:
+                    row["blocked_s"].append(comm.max_over_ranks(m.blocked_s))
         if ctx.rank == 0 and (step + 1) % max(1, (warmup + steps) // 5) == 0:
             print(f"  step {step + 1}/{warmup + steps} ({time.perf_counter() - started:.0f} s)", flush=True)
 
     # The profiled step: a timeline per replica (and, when asked, ddp without overlap).
-    micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+    micro = data.micro_batches(batches, grad_accum, ctx.device)
     timelines = {}
     for n in names:
         comm.barrier()
         timelines[n] = record_step(lambda: replicas[n].step(micro), ctx.world_size, replicas[n].model,
                                    traced=replicas[n].strategy.traces_comm,
-                                   op_group_sizes=getattr(replicas[n].strategy, "op_group_sizes", None))
-    if bool(c.timeline) and "ddp" in names:
-        extra = Replica(NO_OVERLAP, OmegaConf.merge(options["ddp"], {"overlap": False}), cfg, info, ctx, total)
+                                   op_group_sizes=replicas[n].strategy.op_group_sizes)
+    base = no_overlap_variant(names) if bool(c.timeline) else None
+    if base is not None:
+        extra = Replica(base + NO_OVERLAP, OmegaConf.merge(options[base], {"overlap": False}), cfg, info, ctx, total)
         for _ in range(2):  # warm: the first steps allocate buckets and optimizer state
             extra.step(micro)
         comm.barrier()
-        timelines[NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size, extra.model,
+        timelines[base + NO_OVERLAP] = record_step(lambda: extra.step(micro), ctx.world_size, extra.model,
                                             traced=extra.strategy.traces_comm)
         del extra
 
-    micro = _micro_batches(train_set, batches, grad_accum, ctx.device)
+    micro = data.micro_batches(batches, grad_accum, ctx.device)
     memory = {}
     for n in names:
         comm.barrier()

@@ -37,7 +37,7 @@ from minidist import comm
 from minidist.train.errors import ConfigError
 from minidist.train.manifest import write_manifest
 from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
-from minidist.train.strategy import shard_path
+from minidist.train.strategies import shard_path
 
 FORMAT = "minidist.train.v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -17,14 +17,10 @@ from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import build_model
-from minidist.train.strategy import STRATEGIES, mesh_dims
+from minidist.train.strategies import check_options, mesh_dims
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 MODEL_KINDS = {"gpt": "text", "resnet18": "image", "mlp": "image"}  # the data each model takes
-# fp16's loss scaling for DeepSpeed is DeepSpeed's own config, which its adapter does not wire.
-# Every other strategy takes torch's GradScaler, its overflow decision agreed across the ranks
-# (Strategy.optimizer_step), on CPU as on CUDA.
-FP16_REFUSED = ("ds_zero1", "ds_zero2", "ds_zero3")
 
 
 def _positive(cfg, key: str, minimum: int = 1) -> int:
@@ -120,8 +116,7 @@ def _plain(node) -> dict:
 
 def check_mesh(strategy_cfg, world_size: int) -> None:
     """Hybrid strategies and comm_hook=hierarchical: strategy.shard_size must split the world."""
-    hybrid = strategy_cfg.name in ("hsdp2", "hsdp3", "native_hsdp") or \
-        str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
+    hybrid = check_options(strategy_cfg).hybrid or str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
     if hybrid and strategy_cfg.get("shard_size") is not None:  # null: one host, known once launched
         mesh_dims(strategy_cfg, world_size)
 
@@ -129,11 +124,10 @@ def check_mesh(strategy_cfg, world_size: int) -> None:
 def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     """Raise ConfigError for the first problem found; return the checkpoint to resume from (or None)."""
     t = cfg.trainer
-    if cfg.strategy.name not in STRATEGIES:
-        raise ConfigError(f"strategy={cfg.strategy.name!r} is unknown: choose one of {list(STRATEGIES)}")
-    if cfg.strategy.name == "single" and world_size != 1:
-        raise ConfigError(f"strategy=single runs on one rank, but {world_size} were asked for: set launcher.nproc=1, "
-                          "or use a data-parallel strategy (strategy=ddp)")
+    spec = check_options(cfg.strategy)  # a known strategy, and only keys it reads
+    if spec.single_rank and world_size != 1:
+        raise ConfigError(f"strategy={spec.name} runs on one rank, but {world_size} were asked for: set "
+                          "launcher.nproc=1, or use a data-parallel strategy (strategy=ddp)")
     check_mesh(cfg.strategy, world_size)
     for key in ("max_steps", "micro_batch_size", "grad_accum", "keep_last", "log_every"):
         _positive(cfg, key)
@@ -159,9 +153,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
     if t.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
-    if t.precision == "fp16" and cfg.strategy.name in FP16_REFUSED:
-        raise ConfigError(f"trainer.precision=fp16 with strategy={cfg.strategy.name}: DeepSpeed's fp16 loss scaling "
-                          "is its own config, which this adapter does not wire; use trainer.precision=bf16")
+    if t.precision == "fp16" and not spec.fp16:  # the others take torch's GradScaler, on CPU as on CUDA
+        raise ConfigError(f"trainer.precision=fp16 with strategy={spec.name}: its fp16 loss scaling is its own "
+                          "(DeepSpeed's config), which this adapter does not wire; use trainer.precision=bf16")
     if cfg.data.name not in data_mod.TEXT_SETS + data_mod.IMAGE_SETS:
         raise ConfigError(f"data.name={cfg.data.name!r} is unknown: choose one of "
                           f"{list(data_mod.TEXT_SETS + data_mod.IMAGE_SETS)}")

@@ -1,6 +1,7 @@
 """One optimizer step through a strategy: the trainer's and the comparison's, the same code.
 
-    loss, grad_norm = optimizer_step_over(strategy, micro_batches, loss_fn, max_norm, scaler)
+    loss, grad_norm = accumulate_and_step(strategy, micro_batches, loss_fn, max_norm, scaler)
+    accumulate_and_step(..., before_optimizer=lambda: strategy.memory_report())   # gradients complete
 
 All micro-batches but the last run under the strategy's no_sync (accumulation without
 communication); each loss is divided by their number, so the gradient is the mean over
@@ -26,10 +27,13 @@ def task_loss(out: torch.Tensor, y: torch.Tensor, is_text: bool) -> torch.Tensor
     return F.cross_entropy(out.float(), y)
 
 
-def optimizer_step_over(strategy, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+def accumulate_and_step(strategy, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                         loss_fn: Callable, max_norm: float, scaler,
-                        autocast: Callable = contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
+                        autocast: Callable = contextlib.nullcontext,
+                        before_optimizer: Callable[[], object] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one optimizer step over `micro_batches` (a list of (x, y) already on the device).
+    `before_optimizer()`, when given, runs once the gradients are complete, just before the
+    optimizer step (what the comparison measures the model state at).
 
     Returns (the summed loss over micro-batches, each divided by their number, detached;
     the global gradient norm before clipping)."""
@@ -43,6 +47,8 @@ def optimizer_step_over(strategy, micro_batches: Iterable[tuple[torch.Tensor, to
             with record_function("minidist.backward"):
                 strategy.backward(scaler.scale(loss))
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+    if before_optimizer is not None:
+        before_optimizer()
     with record_function("minidist.optimizer"):
         norm = strategy.optimizer_step(max_norm, scaler)
     return loss_sum, norm

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,16 +31,16 @@ from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_steps
-from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.data import collate
 from minidist.train.device_setup import configure_device, to_device
 from minidist.train.faults import FaultPlan
 from minidist.train.hangs import collective_failure
-from minidist.train.models import build_model, count_parameters, gpt_flops_per_token
+from minidist.train.models import count_parameters, gpt_flops_per_token
 from minidist.train.observe import RunLog
-from minidist.train.optim import lr_lambda, optimizer_spec
 from minidist.train.peak_flops import peak_tflops
-from minidist.train.step import optimizer_step_over, task_loss
-from minidist.train.strategy import build_strategy, local_tensor
+from minidist.train.state import build_data, build_training_state, reseed_per_rank
+from minidist.train.strategies import local_tensor
+
 
 def state_digest(module: torch.nn.Module) -> str:
     """SHA-256 of a module's state_dict as this rank holds it (names, dtypes, shapes, bytes)."""
@@ -65,6 +65,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass
+class StepRecord:
+    """One optimizer step on this rank, as train_step leaves it: device values, read only at the
+    next log, eval or checkpoint step."""
+
+    loss: torch.Tensor                  # the mean micro-batch loss (on the device)
+    grad_norm: torch.Tensor             # the global gradient norm before clipping (on the device)
+    span: Span                          # the step's time, on the device's clock
+    data_s: float                       # host seconds spent fetching and copying batches
+    comm: comm.CommTracer | None        # the step's collectives (None: the strategy's are not traced)
+    comm_bytes: float | None            # bytes this rank sent (None: not traced)
+    cross_host: tuple[float, int] | None  # (bytes, calls) that crossed hosts, on more than one host
+
+
 class Trainer:
     def __init__(self, cfg, run_dir: str | Path, resume_from: str | Path | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -75,25 +89,18 @@ class Trainer:
         self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
         self.log = RunLog(cfg, self.run_dir, ctx)
 
-        # Same initial weights on every rank (the strategies also broadcast rank 0's).
-        torch.manual_seed(t.seed)
-        block_size = int(cfg.model.get("block_size", 0)) or 1
-        self.train_set, self.val_set, self.info = build_datasets(cfg.data, block_size)
+        # Same initial weights on every rank (the strategies also broadcast rank 0's), built as the
+        # comparison builds them (state.py).
+        self.data = build_data(cfg, ctx)
+        self.train_set, self.val_set, self.info, self.sampler = (self.data.train_set, self.data.val_set,
+                                                                 self.data.info, self.data.sampler)
         self.is_text = self.info.kind == "text"
-        self.tokens_per_sample = block_size if self.is_text else 0
-        self.sampler = ShardedBatchSampler(len(self.train_set), ctx.rank, ctx.world_size, t.micro_batch_size,
-                                           seed=t.seed)
-        self.net = build_model(cfg.model, self.info).to(ctx.device)
+        self.tokens_per_sample = self.data.block_size if self.is_text else 0
+        self.state = build_training_state(cfg, cfg.strategy, ctx, self.info, int(t.max_steps))
+        self.net, self.model, self.strategy = self.state.net, self.state.model, self.state.strategy
+        self.optimizer, self.scheduler, self.scaler = self.state.optimizer, self.state.scheduler, self.state.scaler
         self.n_params = count_parameters(self.net)
         self.flops_per_token = gpt_flops_per_token(self.net) if self.is_text else None
-
-        self.strategy = build_strategy(cfg.strategy, ctx, str(t.precision))
-        optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
-        self.model, self.optimizer = self.strategy.wrap(self.net, optim_cls, optim_kwargs)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(t.max_steps), float(cfg.optim.min_lr_ratio)))
-        self.scaler = torch.amp.GradScaler(self.ctx.device.type, enabled=t.precision == "fp16")
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.step = 0
         debug = cfg.get("debug")
         self.faults = FaultPlan(debug)  # debug.kill_* / stall_* / nan_*: fault injection
@@ -106,10 +113,7 @@ class Trainer:
                           "set trainer.peak_tflops to its peak TFLOP/s in this precision")
         self.host_traffic = HostTraffic(ctx.rank, ctx.world_size)  # bytes between hosts (cross_host.py)
         self.cross_host_theory: list[tuple[float, int]] = []
-        # Each rank its own stream of randomness from here on (dropout, augmentation), Python's
-        # too: a run must not depend on the entropy its processes started with.
-        torch.manual_seed(t.seed + 1000 * ctx.rank)
-        random.seed(t.seed + 1000 * ctx.rank)
+        reseed_per_rank(t.seed, ctx.rank)
         if ctx.rank == 0:  # a save that did not finish (killed, disk full) left its partial folder
             for name in remove_partial_saves(self.run_dir):
                 self.log.info(f"removed {name}, left by a checkpoint save that did not finish")
@@ -122,43 +126,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.autocast_dtype)
-
-    def _loss(self, out, y):
-        return task_loss(out, y, self.is_text)
-
-    def train_step(self, batches) -> dict:
+    def train_step(self, batches) -> StepRecord:
         """One optimizer step over grad_accum micro-batches; returns this rank's measurements.
 
         Nothing in it waits for the device: the step and the communication are timed on the
         device's clock (minidist.timing: CUDA events on CUDA), and the loss, the gradient norm and
         the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_finite`)."""
         span = Span(self.ctx.device).start()
-        data_s = 0.0
         self.faults.maybe_stall(self.ctx.rank, self.step + 1)
         with comm.CommTracer() as tracer, self._collectives_named(tracer.records):
-            micro_batches = []
-            for _ in range(self.grad_accum):
-                t0 = time.perf_counter()
-                x, y = collate(self.train_set, next(batches))
-                micro_batches.append((to_device(x, self.ctx.device), to_device(y, self.ctx.device)))
-                data_s += time.perf_counter() - t0
-            clip = float(self.cfg.trainer.grad_clip)
-            loss_fn = self._loss
+            t0 = time.perf_counter()
+            micro_batches = self.data.micro_batches(batches, self.grad_accum, self.ctx.device)
+            data_s = time.perf_counter() - t0
+            loss_fn = self.state.loss
             if self.faults.nan_loss(self.ctx.rank, self.step + 1):
-                loss_fn = lambda out, y: self._loss(out, y) * float("nan")  # noqa: E731
-            loss_sum, grad_norm = optimizer_step_over(self.strategy, micro_batches, loss_fn,
-                                                      clip if clip > 0 else math.inf, self.scaler, self._autocast)
-            self.scheduler.step()
+                loss_fn = lambda out, y: self.state.loss(out, y) * float("nan")  # noqa: E731
+            loss_sum, grad_norm = self.state.step(micro_batches, loss_fn)
             span.stop()
-        return {"loss": loss_sum, "grad_norm": grad_norm.detach().float(), "step": span, "data_s": data_s,
-                "comm": tracer if self.strategy.traces_comm else None,
-                "comm_bytes": tracer.total_sent_bytes if self.strategy.traces_comm else None,
-                "cross_host": cross_host_sent(tracer.records, self.ctx.rank, self.host_traffic.per_host)
-                if self.strategy.traces_comm and self.host_traffic.multi_host else None}
+        traced = self.strategy.traces_comm
+        return StepRecord(loss_sum, grad_norm.detach().float(), span, data_s, tracer if traced else None,
+                          tracer.total_sent_bytes if traced else None,
+                          cross_host_sent(tracer.records, self.ctx.rank, self.host_traffic.per_host)
+                          if traced and self.host_traffic.multi_host else None)
 
     def traced_step(self, batches) -> dict:
         """train_step under torch.profiler: rank 0 writes <run dir>/timeline_step_N.json (Chrome
@@ -166,8 +155,8 @@ class Trainer:
         from minidist.profiling.timeline_plot import timeline_plot
         from minidist.profiling.timeline import record_step, write_chrome_trace
 
-        result: dict = {}
-        trace = record_step(lambda: result.update(self.train_step(batches)), self.ctx.world_size, self.model)
+        result: list[StepRecord] = []
+        trace = record_step(lambda: result.append(self.train_step(batches)), self.ctx.world_size, self.model)
         traces = dict(enumerate(comm.all_gather_object(trace)))
         if self.ctx.rank == 0:
             stem = self.run_dir / f"timeline_step_{self.step + 1}"
@@ -177,7 +166,7 @@ class Trainer:
             hidden = [t["hidden_fraction"] for t in traces.values() if t["hidden_fraction"] is not None]
             share = f"; {100 * sum(hidden) / len(hidden):.0f}% of communication hidden behind compute" if hidden else ""
             self.log.info(f"step {self.step + 1}: timeline {stem}.json / .png{share}")
-        return result
+        return result[0]
 
     # ------------------------------------------------------------------ evaluation
 
@@ -193,10 +182,10 @@ class Trainer:
             first = b * per_batch + self.ctx.rank * t.micro_batch_size
             x, y = collate(self.val_set, list(range(first, first + t.micro_batch_size)))
             x, y = to_device(x, self.ctx.device), to_device(y, self.ctx.device)
-            with self._autocast():
+            with self.state.autocast():
                 out = self.model(x)
             n = y.numel()
-            sums[0] += self._loss(out, y).double() * n
+            sums[0] += self.state.loss(out, y).double() * n
             sums[2] += n
             if not self.is_text:
                 sums[1] += (out.argmax(-1) == y).sum()
@@ -219,7 +208,7 @@ class Trainer:
                 self.strategy.sharded_checkpoint, "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.sampler.state_dict(),
-                "shards": getattr(self.strategy, "checkpoint_shards", self.ctx.world_size)}  # files of a sharded one
+                "shards": self.strategy.checkpoint_shards}  # files of a sharded one
         path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last),
                                before_commit=lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step,
                                                                             during="save"))
@@ -242,7 +231,7 @@ class Trainer:
         batches = iter(self.sampler)
         self.log.start_progress(self.step, int(t.max_steps))
         last_eval: dict = {}
-        history: list[dict] = []
+        history: list[StepRecord] = []
         unchecked: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet read on the host
         start = self.step
         while self.step < end:
@@ -252,18 +241,18 @@ class Trainer:
                 m = self.train_step(batches)
             self.step += 1
             self.host_traffic.after_step(self.step, start, end)
-            if m["cross_host"] is not None and self.step > start + 1:  # the steps the counters span
-                self.cross_host_theory.append(m["cross_host"])
+            if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
+                self.cross_host_theory.append(m.cross_host)
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
             history.append(m)
-            unchecked.append((self.step, m["grad_norm"]))
+            unchecked.append((self.step, m.grad_norm))
             log_now = self.step % t.log_every == 0 or self.step == end
             eval_now = t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end)
             save_now = (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end  # and always the last
             # The host reads device values only at these steps, where a stuck collective of the
             # steps since shows up (on NCCL, nothing waits for one before): name it then.
             if log_now or eval_now or save_now:
-                with self._collectives_named([r for h in history if h["comm"] for r in h["comm"].records], self.step):
+                with self._collectives_named([r for h in history if h.comm for r in h.comm.records], self.step):
                     self._check_finite(unchecked)
                     unchecked = []
                     if log_now:
@@ -360,19 +349,19 @@ class Trainer:
         finite = to_host(torch.stack(checks).all(), "parameters finite") if checks else True  # one read
         return comm.max_over_ranks(0.0 if finite else 1.0) == 0.0
 
-    def _reduce_metrics(self, history: list[dict]) -> dict:
+    def _reduce_metrics(self, history: list[StepRecord]) -> dict:
         """Averages over the steps since the last log, over ranks (loss) or of the slowest rank (time)."""
         n = len(history)
-        loss = torch.stack([h["loss"] for h in history]).mean().reshape(1)
+        loss = torch.stack([h.loss for h in history]).mean().reshape(1)
         comm.all_reduce(loss)
-        steps = [h["step"].seconds() for h in history]  # on CUDA: waits for the last step's end event
-        comms = [h["comm"].blocked_s if h["comm"] is not None else 0.0 for h in history]
+        steps = [h.span.seconds() for h in history]  # on CUDA: waits for the last step's end event
+        comms = [h.comm.blocked_s if h.comm is not None else 0.0 for h in history]
         step_s = comm.max_over_ranks(sum(steps) / n)  # as long as its slowest rank
         samples_s = self.global_batch / step_s
-        data_s = sum(h["data_s"] for h in history) / n
+        data_s = sum(h.data_s for h in history) / n
         out = {
             "train/loss": to_host(loss, "loss") / self.ctx.world_size,
-            "grad_norm": to_host(history[-1]["grad_norm"], "gradient norm"),
+            "grad_norm": to_host(history[-1].grad_norm, "gradient norm"),
             "lr": self.scheduler.get_last_lr()[0],
             "time/step_s": step_s,
             "time/data_s": data_s,
@@ -382,9 +371,9 @@ class Trainer:
             "memory/model_state_bytes": self.strategy.memory_report()["total"],
             "memory/peak_bytes": peak_memory_bytes(self.ctx.device),
         }
-        if history[-1]["comm"] is not None:
+        if history[-1].comm is not None:
             out["time/exposed_comm_s"] = sum(comms) / n
-            out["comm/bytes_per_step"] = sum(h["comm_bytes"] for h in history) / n
+            out["comm/bytes_per_step"] = sum(h.comm_bytes for h in history) / n
         if self.is_text:
             tokens_s = samples_s * self.tokens_per_sample
             out["throughput/tokens_per_s"] = tokens_s

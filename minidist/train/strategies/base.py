@@ -1,8 +1,17 @@
-"""The strategy interface every data-parallel strategy implements (train/strategy.py for ours and
-native PyTorch's, train/deepspeed_strategy.py for DeepSpeed's), and the helpers they share.
+"""The interface every data-parallel strategy implements, so the trainer has one loop, and the
+helpers the strategy families (ours.py, native.py, deepspeed.py) share.
 
-A module of its own so that the adapters build on it without importing each other: strategy.py
-picks the adapter by name and loads DeepSpeed's lazily; deepspeed_strategy.py needs only this.
+    strategy = build_strategy(cfg.strategy, ctx)
+    model, optimizer = strategy.wrap(net, torch.optim.AdamW, {"lr": 3e-4})
+    with strategy.no_sync(): loss.backward()      # accumulate without communication
+    strategy.backward(loss)                       # loss.backward(), or the engine's (DeepSpeed)
+    strategy.clip_grad_norm_(1.0)                 # the global norm, whatever is sharded
+    strategy.optimizer_step(1.0, scaler)          # unscale, clip, step, zero_grad; returns the norm
+    strategy.save(directory) / strategy.load(directory, saved_shards)
+    strategy.full_state_dict()                    # rank 0: the plain state_dict of net
+    strategy.memory_report()                      # bytes on this rank, from live storages
+
+A family module needs only this one (and spec.py), so the families never import each other.
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
 from minidist.timing import to_host
+from minidist.train.errors import ConfigError
 from minidist.train.safe_load import load_tensors, save_tensors
+from minidist.train.strategies.spec import StrategySpec
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -25,10 +36,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 class Strategy:
     """The interface. Subclasses implement `_wrap`; the rest has defaults for replicated models."""
 
-    name = ""
-    sharded_checkpoint = False
-    traces_comm = True  # communication goes through minidist.comm, so CommTracer sees it
-    shard_size: int | None = None  # hybrid strategies: the size S of their shard groups
+    spec: StrategySpec | None = None  # what it is (name, checkpoint layout, capabilities): set by build_strategy
+    shard_size: int | None = None  # hybrid strategies: the size S of their shard groups, once wrapped
+    # The profiler's c10d events do not say their group: ops that run on a subgroup, by op -> its size
+    # (everything else is counted at the world size). Only strategies the tracer cannot see need it.
+    op_group_sizes: dict[str, int] = {}
 
     def __init__(self, cfg, ctx, compute_dtype: torch.dtype | None = None):
         self.cfg, self.ctx = cfg, ctx
@@ -39,6 +51,24 @@ class Strategy:
         self.net: nn.Module | None = None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec is not None else type(self).__name__
+
+    @property
+    def traces_comm(self) -> bool:
+        """Its communication goes through minidist.comm, so CommTracer sees it."""
+        return self.spec.traces_comm if self.spec is not None else True
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        return self.spec is not None and self.spec.checkpoint == "sharded"
+
+    @property
+    def checkpoint_shards(self) -> int:
+        """How many per-rank files a sharded checkpoint holds (the world unless a strategy says)."""
+        return self.ctx.world_size
 
     def wrap(self, net: nn.Module, optim_cls, optim_kwargs: dict):
         """Wrap `net` (already on ctx.device) and build its optimizer; return (model, optimizer)."""
@@ -155,3 +185,41 @@ def agree_on_overflow(scaler, optimizer, device) -> None:
     comm.all_reduce(flag, op=comm.ReduceOp.MAX)
     for value in found.values():  # on the device: no host read
         value.copy_((flag > 0).to(value.dtype).to(value.device).reshape(value.shape))
+
+
+def mesh_dims(cfg, world_size: int) -> tuple[int, int]:
+    """(replicas R, shard group size S) for strategy.shard_size (null: the ranks of one host, where
+    the launcher says so); a ConfigError naming the key when it does not split the world."""
+    from minidist.mesh import mesh_shape, ranks_per_host
+
+    shard = cfg.get("shard_size")
+    if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool)):
+        raise ConfigError(f"strategy.shard_size={shard!r} must be a whole number of ranks (or null: one host)")
+    try:
+        return mesh_shape(world_size, None, shard, ranks_per_host())
+    except ValueError as e:
+        raise ConfigError(f"strategy.shard_size={shard}: {e}") from None
+
+
+def build_mesh(cfg):
+    """minidist's mesh for strategy.shard_size (see mesh_dims)."""
+    import torch.distributed as dist
+
+    import minidist
+
+    replicate, shard = mesh_dims(cfg, dist.get_world_size())
+    mesh = minidist.init_mesh(replicate=replicate, shard=shard)
+    minidist.print0(str(mesh))
+    return mesh
+
+
+def shard_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"shard_rank{rank:05d}.pt"
+
+
+def state_dict_layout(net: nn.Module) -> dict:
+    """The state_dict's keys in order, and which parameter each parameter key holds (tied weights:
+    two keys, one parameter) — what consolidating sharded checkpoints needs to rebuild it."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    keys = net.state_dict(keep_vars=True)
+    return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}

@@ -1,5 +1,8 @@
 """DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface: a third party to compare with.
 
+The registry imports this module with the other families; DeepSpeed itself is imported only when
+a ds_* strategy wraps a model (import_deepspeed), so it stays an optional extra.
+
     python recipes/compare.py compare.strategies=[zero2,ds_zero2]
     python recipes/train.py strategy=ds_zero3
 
@@ -36,7 +39,9 @@ import torch
 from minidist.memory import measure
 from minidist.train.errors import ConfigError
 from minidist.train.safe_load import save_tensors, verify_checkpoint_files
-from minidist.train.strategy_base import Strategy
+from minidist.train.strategies.base import Strategy
+from minidist.train.strategies.registry import register
+from minidist.train.strategies.spec import Collective, StrategySpec
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
 
@@ -69,14 +74,14 @@ def deepspeed_version() -> str | None:
 class DeepSpeedZero(Strategy):
     """DeepSpeed ZeRO stage 1, 2 or 3 (`ds_zero1/2/3`)."""
 
-    traces_comm = False  # DeepSpeed calls torch.distributed itself
-
-    def __init__(self, cfg, ctx, stage: int):
-        super().__init__(cfg, ctx)
-        self.stage = stage
-        self.name = f"ds_zero{stage}"
+    def __init__(self, cfg, ctx, compute_dtype=None):
+        super().__init__(cfg, ctx)  # compute_dtype: unused, bf16 runs under the trainer's autocast
         self.engine = None
         self._accumulating = False
+
+    @property
+    def stage(self) -> int:
+        return self.spec.zero_stage
 
     def config(self) -> dict:
         bucket = int(float(self.cfg.bucket_cap_mb) * 2**20 / 4)  # DeepSpeed counts elements (fp32 here)
@@ -174,3 +179,14 @@ class DeepSpeedZero(Strategy):
         grads += [p.grad for p in self.net.parameters() if p.grad is not None]
         state = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return measure({"parameters": params, "gradients": grads, "optimizer_state": state + masters})
+
+
+# -- the specs (spec.py says how they are read). DeepSpeed calls torch.distributed itself
+# (traces_comm=False); its fp16 loss scaling is its own config, which this adapter does not wire.
+for _stage in (1, 2, 3):
+    register(StrategySpec(f"ds_zero{_stage}", "deepspeed", DeepSpeedZero, f"DeepSpeed's ZeRO stage {_stage} "
+                          "(optional: pip install -e '.[deepspeed]')", checkpoint="deepspeed", zero_stage=_stage,
+                          messages="units" if _stage == 3 else "buckets",
+                          collectives=(Collective("reduce_scatter"),
+                                       Collective("all_gather", count=2 if _stage == 3 else 1)),
+                          options=("bucket_cap_mb",), fp16=False, traces_comm=False))

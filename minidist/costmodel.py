@@ -1,8 +1,8 @@
 """A cost model of one training step's communication on a two-level cluster, to 16,384 ranks.
 
-    python -m minidist.sim recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
-    python -m minidist.sim table --out docs/scale.md --plot docs/img/scale.png
-    python -m minidist.sim validate measured.json      # against scripts/validate_sim.sh's runs
+    python -m minidist.costmodel recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
+    python -m minidist.costmodel table --out docs/scale.md --plot docs/img/scale.png
+    python -m minidist.costmodel validate measured.json      # against scripts/validate_sim.sh's runs
 
 The cluster: H hosts of G ranks (N = H G). Within a host, each rank has links of bandwidth
 `intra_bw` (bytes/s) and latency `intra_lat` (s); between hosts, each host has `inter_bw`
@@ -23,21 +23,22 @@ step sends one M/n message out of each host, so (inter_lat, inter_bw). A replica
 mesh run at once, sharing each host's network: (inter_lat, inter_bw / G). Each step is
 paid per message, so a step split into k buckets or units pays k latencies per step.
 
-Per optimizer step (Psi parameters, `comm_bytes` each on the wire, bf16 by default):
+Per optimizer step (Psi parameters, `comm_bytes` each on the wire, bf16 by default), each
+strategy priced by the collectives its spec declares (minidist/train/strategies/spec.py):
 
-    ddp           all_reduce(Psi) over N                               (buckets)
-    hierarchical  reduce_scatter(Psi) in host, all_reduce(Psi/G) across hosts, all_gather in host
-    zero1, zero2  reduce_scatter(Psi) + all_gather(Psi) over N         (buckets)
-    zero3         reduce_scatter(Psi) + 2 all_gather(Psi) over N       (units)
-    hsdp2         zero2 within the shard group + all_reduce(Psi/S) across the replicas
-    hsdp3         zero3 within the shard group + all_reduce(Psi/S) across the replicas  (units)
+    ddp               all_reduce(Psi) over N                               (buckets)
+    ddp_hierarchical  reduce_scatter(Psi) in host, all_reduce(Psi/G) across hosts, all_gather in host
+    zero1, zero2      reduce_scatter(Psi) + all_gather(Psi) over N         (buckets)
+    zero3             reduce_scatter(Psi) + 2 all_gather(Psi) over N       (units)
+    hsdp2             zero2 within the shard group + all_reduce(Psi/S) across the replicas
+    hsdp3             zero3 within the shard group + all_reduce(Psi/S) across the replicas  (units)
 
 A shard group is S ranks: one host (S = G) by default; when the state does not fit at S = G,
 `evaluate` takes the smallest S (G times a power of two) at which it does: then the shard
 group's rings cross hosts, as a world ring does (inter_lat, inter_bw).
 
 Memory per rank (mixed precision, Adam: 2 + 2 + 12 bytes per parameter, the ZeRO paper's
-K = 12): ddp/hierarchical 16 Psi; zero1 4 Psi + 12 Psi/N; zero2 2 Psi + 14 Psi/N; zero3
+K = 12, from each spec's ZeRO stage): ddp/ddp_hierarchical 16 Psi; zero1 4 Psi + 12 Psi/N; zero2 2 Psi + 14 Psi/N; zero3
 16 Psi/N; hsdp2 2 Psi + 14 Psi/S; hsdp3 16 Psi/S. Activations are left out: a strategy
 "fits" when its model state takes at most `state_fraction` of the device memory.
 
@@ -54,7 +55,11 @@ import math
 import sys
 from dataclasses import dataclass, replace
 
-STRATEGIES = ("ddp", "hierarchical", "zero1", "zero2", "zero3", "hsdp2", "hsdp3")
+from minidist.train.strategies import spec, specs
+
+# The strategies priced: minidist's own that communicate (native PyTorch's and DeepSpeed's move
+# the same bytes as their minidist counterparts), in the registry's order.
+STRATEGIES = tuple(s.name for s in specs("minidist") if s.collectives)
 
 
 @dataclass(frozen=True)
@@ -126,48 +131,46 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
     shard group's), "replicas" (the all_reduce across replicas) and "total".
 
     `algorithm` applies to all_reduce (ring or tree); reduce_scatter and all_gather are rings.
-    `shard`: the shard group's size S for hsdp2/hsdp3 (default: one host); hierarchical uses G."""
-    G, N = c.per_host, hosts * c.per_host
-    size = params * comm_bytes
-    buckets = max(1, math.ceil(size / bucket_bytes))
-    group = replicas = 0.0
-    if strategy == "ddp":
-        group = all_reduce_time(N, size, ring_link(c, N), algorithm, buckets)
-    elif strategy in ("zero1", "zero2"):
-        group = ring_steps_time(N, size, ring_link(c, N), 2, buckets)
-    elif strategy == "zero3":
-        group = ring_steps_time(N, size, ring_link(c, N), 3, units)
-    elif strategy in ("hierarchical", "hsdp2", "hsdp3"):
-        S = G if strategy == "hierarchical" or shard is None else shard
-        if N % S:
-            raise ValueError(f"a shard group of {S} does not divide {N} ranks")
-        passes, messages = {"hierarchical": (2, buckets), "hsdp2": (2, buckets), "hsdp3": (3, units)}[strategy]
-        group = ring_steps_time(S, size, ring_link(c, S), passes, messages)
-        replicas = all_reduce_time(N // S, size / S, replicas_link(c), algorithm, messages)
-    else:
+    `shard`: the shard group's size S for a hybrid strategy (default: one host)."""
+    if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
-    return {"group": group, "replicas": replicas, "total": group + replicas}
+    s = spec(strategy)
+    G, N = c.per_host, hosts * c.per_host
+    S = shard or G
+    if s.hybrid and N % S:
+        raise ValueError(f"a shard group of {S} does not divide {N} ranks")
+    size = params * comm_bytes
+    messages = units if s.messages == "units" else max(1, math.ceil(size / bucket_bytes))
+    ranks = {"world": N, "shard": S, "replicas": N // S}
+    links = {"world": ring_link(c, N), "shard": ring_link(c, S), "replicas": replicas_link(c)}
+    out = {"group": 0.0, "replicas": 0.0}
+    for op in s.collectives:
+        payload = size / S if op.payload == "shard" else size
+        n, link = ranks[op.group], links[op.group]
+        if op.op == "all_reduce":
+            t = all_reduce_time(n, payload, link, algorithm, messages)
+        elif op.op in ("reduce_scatter", "all_gather"):
+            t = ring_steps_time(n, payload, link, 1, messages)
+        else:
+            raise ValueError(f"{strategy}: the cost model prices rings, not {op.op}")
+        out["replicas" if op.group == "replicas" else "group"] += op.count * t
+    return {**out, "total": out["group"] + out["replicas"]}
 
 
 def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None) -> float:
     """Model state per rank (mixed precision + Adam), the ZeRO paper's formulas with K = 12."""
-    N, S = hosts * per_host, shard or per_host
-    return {
-        "ddp": 16 * params, "hierarchical": 16 * params,
-        "zero1": 4 * params + 12 * params / N, "zero2": 2 * params + 14 * params / N, "zero3": 16 * params / N,
-        "hsdp2": 2 * params + 14 * params / S, "hsdp3": 16 * params / S,
-    }[strategy]
+    return spec(strategy).model_state_bytes(params, hosts * per_host, shard or per_host, precision="mixed")
 
 
 def evaluate(params: float, units: int, hosts: int, c: Cluster, algorithm: str = "ring",
              state_fraction: float = 0.5) -> dict[str, dict]:
     """Every strategy: communication seconds per step, state per rank, whether it fits, and for
-    hsdp2/hsdp3 the shard group size used (one host, or the smallest multiple that fits)."""
+    the hybrid ZeRO strategies (hsdp2/hsdp3) the shard group size used (one host, or the smallest multiple that fits)."""
     N, budget = hosts * c.per_host, state_fraction * c.device_bytes
     out = {}
     for s in STRATEGIES:
         shard = None
-        if s in ("hsdp2", "hsdp3"):
+        if spec(s).hybrid and spec(s).zero_stage:  # sharded on a mesh: the smallest shard group that fits
             shard = c.per_host
             while state_bytes_per_rank(s, params, hosts, c.per_host, shard) > budget and shard * 2 <= N \
                     and N % (shard * 2) == 0:
@@ -226,8 +229,8 @@ def plot(path: str, algorithm: str = "ring") -> None:
                     xs.append(n)
                     ys.append(r["total"])
                     fits.append(r["fits"])
-                # Several strategies cost the same (ddp = zero1 = zero2 with a ring; hierarchical =
-                # hsdp2): styles differ so that every line stays visible.
+                # Several strategies cost the same (ddp = zero1 = zero2 with a ring; ddp_hierarchical
+                # = hsdp2): styles differ so that every line stays visible.
                 k = STRATEGIES.index(s)
                 ax.plot(xs, ys, marker="os^vDP*"[k], linestyle=("-", "--", ":", "-.")[k % 4], label=s, alpha=0.85,
                         markersize=4 + (k % 3))
@@ -267,7 +270,7 @@ def validate(m: dict, tolerance: float = 0.25) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minidist.sim", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m minidist.costmodel", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("recommend", help="which strategy for a model on a cluster")
     r.add_argument("--params", type=float, required=True)
@@ -295,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in STRATEGIES:
             row = rows[s]
             shard = f"  shard groups of {row['shard']}" if row["shard"] else ""
-            print(f"  {s:<13}{row['total'] * 1e3:>10,.1f} ms/step  state {row['state_bytes'] / 1e9:>8,.1f} GB/rank"
+            print(f"  {s:<17}{row['total'] * 1e3:>10,.1f} ms/step  state {row['state_bytes'] / 1e9:>8,.1f} GB/rank"
                   f"{'' if row['fits'] else '  (does not fit)'}{shard}")
         print(f"pick: {pick or 'none fits: more ranks per replica (a larger shard group) or offloading'}")
         return 0

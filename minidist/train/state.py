@@ -1,0 +1,116 @@
+"""The training state, built one way for the trainer and the comparison alike.
+
+    data = build_data(cfg, ctx)                             # data sets, their info, this rank's sampler
+    micro = data.micro_batches(iter(data.sampler), grad_accum, ctx.device)
+    state = build_training_state(cfg, cfg.strategy, ctx, data.info, total_steps)
+    loss, grad_norm = state.step(micro_batches)             # one optimizer step, then the schedule's
+    reseed_per_rank(cfg.trainer.seed, ctx.rank)             # each rank its own randomness from here on
+
+Every rank, and every strategy of a comparison, starts from the same weights: the model is
+built right after seeding with trainer.seed. What a step does (accumulation under no_sync,
+autocast, clipping, the optimizer through the strategy, the scheduler) is the same code for
+both, so a comparison measures exactly what the trainer runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from minidist.train.data import ShardedBatchSampler, build_datasets, collate
+from minidist.train.device_setup import to_device
+from minidist.train.models import build_model
+from minidist.train.optim import lr_lambda, optimizer_spec
+from minidist.train.step import accumulate_and_step, task_loss
+from minidist.train.strategies import Strategy, build_strategy
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainingData:
+    train_set: object
+    val_set: object
+    info: object                   # data.DataInfo: kind (text / image), vocabulary or classes
+    sampler: ShardedBatchSampler   # this rank's micro-batches, resumable
+    block_size: int                # tokens per sample (1 for images)
+
+    def micro_batches(self, batches, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The next `count` micro-batches of the sampler's iterator `batches`, as (x, y) on `device`."""
+        out = []
+        for _ in range(count):
+            x, y = collate(self.train_set, next(batches))
+            out.append((to_device(x, device), to_device(y, device)))
+        return out
+
+
+def build_data(cfg, ctx) -> TrainingData:
+    """The data sets and this rank's sampler (seeded by trainer.seed, so every rank shuffles alike)."""
+    t = cfg.trainer
+    block_size = int(cfg.model.get("block_size", 0)) or 1
+    train_set, val_set, info = build_datasets(cfg.data, block_size)
+    sampler = ShardedBatchSampler(len(train_set), ctx.rank, ctx.world_size, int(t.micro_batch_size), seed=int(t.seed))
+    return TrainingData(train_set, val_set, info, sampler, block_size)
+
+
+@dataclass
+class TrainingState:
+    """A model wrapped by its strategy, with its optimizer, schedule, loss scaler and autocast."""
+
+    net: torch.nn.Module                  # the bare model (its state_dict is the checkpoint's)
+    model: torch.nn.Module                # what forward runs: the strategy's wrapper
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler          # enabled for fp16 only
+    autocast_dtype: torch.dtype | None    # bf16 / fp16 autocast, None for fp32
+    max_norm: float                       # trainer.grad_clip (inf: no clipping, the norm still measured)
+    is_text: bool
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.strategy.ctx.device.type, dtype=self.autocast_dtype)
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return task_loss(out, y, self.is_text)
+
+    def step(self, micro_batches, loss_fn: Callable | None = None,
+             before_optimizer: Callable[[], object] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over `micro_batches` (on the device), then the schedule's step.
+        Returns (the mean micro-batch loss, detached; the gradient norm before clipping)."""
+        loss, norm = accumulate_and_step(self.strategy, micro_batches, loss_fn or self.loss, self.max_norm,
+                                         self.scaler, self.autocast, before_optimizer)
+        self.scheduler.step()
+        return loss, norm
+
+
+def build_training_state(cfg, strategy_cfg, ctx, info, total_steps: int) -> TrainingState:
+    """Seed with trainer.seed, build the model on ctx.device, wrap it with the strategy
+    `strategy_cfg` names, and give it the optimizer (cfg.optim) and its schedule over
+    `total_steps` steps."""
+    t = cfg.trainer
+    torch.manual_seed(int(t.seed))  # the same initial weights on every rank and for every strategy
+    net = build_model(cfg.model, info).to(ctx.device)
+    strategy = build_strategy(strategy_cfg, ctx, str(t.precision))
+    optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
+    model, optimizer = strategy.wrap(net, optim_cls, optim_kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(total_steps), float(cfg.optim.min_lr_ratio)))
+    clip = float(t.grad_clip)
+    return TrainingState(net=net, model=model, strategy=strategy, optimizer=optimizer, scheduler=scheduler,
+                         scaler=torch.amp.GradScaler(ctx.device.type, enabled=str(t.precision) == "fp16"),
+                         autocast_dtype=AUTOCAST_DTYPES.get(str(t.precision)),
+                         max_norm=clip if clip > 0 else math.inf, is_text=info.kind == "text")
+
+
+def reseed_per_rank(seed: int, rank: int) -> None:
+    """Each rank its own stream of randomness from here on (dropout, augmentation), Python's too:
+    a run must not depend on the entropy its processes started with."""
+    torch.manual_seed(int(seed) + 1000 * rank)
+    random.seed(int(seed) + 1000 * rank)

@@ -1,0 +1,21 @@
+"""Every data-parallel strategy behind one interface (base.py), each declared once by a spec
+(spec.py) in a registry (registry.py): minidist's own (ours.py), native PyTorch's (native.py)
+and DeepSpeed's (deepspeed.py, optional).
+
+    from minidist.train.strategies import build_strategy, spec, names
+    strategy = build_strategy(cfg.strategy, ctx, precision)
+    spec("zero2").wire_bytes(psi, n), spec("zero2").model_state_bytes(psi, n)
+
+Adding a strategy: a Strategy subclass and register(StrategySpec(...)) in one module, and its
+defaults in configs/strategy/NAME.yaml (README: "Adding a strategy").
+"""
+
+from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
+                                            shard_path, state_dict_layout, step_unless_nonfinite)
+from minidist.train.strategies.registry import (build_strategy, check_options, names, reference_for, register,
+                                                spec, specs, split_variant, strategy_options, unregister)
+from minidist.train.strategies.spec import Collective, StrategySpec
+
+__all__ = ["Collective", "Strategy", "StrategySpec", "agree_on_overflow", "build_mesh", "build_strategy",
+           "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "shard_path", "spec",
+           "specs", "split_variant", "state_dict_layout", "step_unless_nonfinite", "strategy_options", "unregister"]

@@ -1,0 +1,172 @@
+"""Native PyTorch's strategies, the references ours are checked against.
+
+| name         | what                                                                 | checkpoint |
+| native_ddp   | torch DistributedDataParallel                                        | full       |
+| native_zero1 | DistributedDataParallel + ZeroRedundancyOptimizer                    | full       |
+| native_fsdp  | fully_shard per unit (the units our stage 3 would pick), then the root | full     |
+| native_hsdp  | the same on a 2-D DeviceMesh (replicate x shard_size): FSDP2's HSDP  | full       |
+
+Their communication is torch's own (minidist.comm's tracer does not see it: traces_comm=False);
+the comparison counts it from the profiler's events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from minidist.train.errors import ConfigError
+from minidist.train.strategies.base import Strategy, mesh_dims
+from minidist.train.strategies.registry import register
+from minidist.train.strategies.spec import Collective, StrategySpec
+
+
+class NativeDDP(Strategy):
+    """torch's DistributedDataParallel, with the same options as ours."""
+
+    def _native_ddp(self, net):
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # torch 2.14 renamed broadcast_buffers (same meaning for True); use the name this torch has.
+        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else "broadcast_buffers"
+        return DDP(net, device_ids=[self.ctx.device] if self.ctx.device.type == "cuda" else None,
+                   bucket_cap_mb=float(self.cfg.bucket_cap_mb),
+                   gradient_as_bucket_view=bool(self.cfg.gradient_as_bucket_view),
+                   find_unused_parameters=bool(self.cfg.find_unused_parameters),
+                   **{sync: bool(self.cfg.broadcast_buffers)})
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
+
+    def _ddp(self, net):
+        if not bool(self.cfg.overlap):
+            raise ConfigError(f"strategy.overlap=false: {self.name} (torch's DDP) always overlaps; only strategy=ddp "
+                              "can reduce after backward")
+        model = self._native_ddp(net)
+        hook = str(self.cfg.comm_hook)
+        if hook != "allreduce":  # the same compression as ours, through torch's own hooks
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+            if hook == "powersgd":
+                model.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4),
+                                         powerSGD_hook.powerSGD_hook)
+            elif hook in ("fp16", "bf16"):
+                model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
+            else:
+                raise ConfigError(f"strategy.comm_hook={hook!r}: choose allreduce, fp16, bf16 or powersgd")
+        return model
+
+
+class NativeZero1(NativeDDP):
+    """DistributedDataParallel + ZeroRedundancyOptimizer."""
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        model = self._ddp(net)
+        return model, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=optim_cls, **optim_kwargs)
+
+    def optimizer_state_dict(self):
+        self.optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 receives every shard
+        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
+
+
+class NativeFSDP(Strategy):
+    """fully_shard on the units our stage 3 would pick, then on the root."""
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        from torch.distributed.fsdp import fully_shard
+
+        from minidist.parallel.zero3 import plan_units
+
+        kwargs = self._mesh_kwargs()
+        if self.compute_dtype is not None:  # as zero3 / hsdp3: gathered in bf16, reduced in fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        trainable = [p for p in net.parameters() if p.requires_grad]
+        for _, unit in plan_units(net, trainable, None, int(self.cfg.min_unit_params)):
+            fully_shard(unit, **kwargs)
+        model = fully_shard(net, **kwargs)
+        return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def _mesh_kwargs(self) -> dict:
+        return {}  # fully_shard's default: shard over the whole world
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm_(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def full_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(self.net, options=self._options())  # a collective
+        return state if self.ctx.rank == 0 else {}
+
+    def optimizer_state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(self.net, self.optimizer, options=self._options())
+        return state if self.ctx.rank == 0 else {}
+
+    def load_full_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.net, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class NativeHSDP(NativeFSDP):
+    """fully_shard on a 2-D DeviceMesh (replicate x shard): FSDP2's HSDP, the reference for hsdp3."""
+
+    def _mesh_kwargs(self) -> dict:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        R, S = mesh_dims(self.cfg, self.ctx.world_size)
+        device = "cuda" if self.ctx.device.type == "cuda" else "cpu"
+        self.shard_size = S
+        # The profiler's c10d events do not say their group: HSDP all_reduces across the R
+        # replicas and gathers / reduce_scatters within the S shard ranks.
+        self.op_group_sizes = {"all_reduce": R, "all_gather": S, "reduce_scatter": S}
+        return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
+
+# -- the specs (spec.py says how they are read)
+DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "overlap",
+               "comm_hook")
+FSDP_GATHERS = (Collective("reduce_scatter"), Collective("all_gather", count=2))
+
+register(StrategySpec("native_ddp", "native", NativeDDP, "torch.nn.parallel.DistributedDataParallel",
+                      collectives=(Collective("all_reduce"),), options=DDP_OPTIONS, traces_comm=False))
+# ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it: one broadcast
+# of the whole model per step, counted in full for every rank as minidist.comm does.
+register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataParallel + ZeroRedundancyOptimizer",
+                      zero_stage=1, collectives=(Collective("all_reduce"), Collective("broadcast")),
+                      options=DDP_OPTIONS, traces_comm=False))
+register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
+                      zero_stage=3, messages="units", collectives=FSDP_GATHERS, options=("min_unit_params",),
+                      traces_comm=False))
+register(StrategySpec("native_hsdp", "native", NativeHSDP, "fully_shard on a 2-D DeviceMesh: FSDP2's HSDP",
+                      zero_stage=3, hybrid=True, messages="units", options=("min_unit_params", "shard_size"),
+                      collectives=tuple(Collective(c.op, "shard", c.payload, c.count) for c in FSDP_GATHERS)
+                      + (Collective("all_reduce", group="replicas", payload="shard"),), traces_comm=False))

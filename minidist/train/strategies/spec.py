@@ -1,0 +1,121 @@
+"""What a strategy is, declared once: the facts the rest of minidist used to guess from its name.
+
+    spec = StrategySpec(name="zero2", kind="minidist", factory=..., checkpoint="sharded",
+                        reference="ds_zero2", zero_stage=2, options=(...),
+                        collectives=(Collective("reduce_scatter"), Collective("all_gather")))
+    spec.wire_bytes(psi=1000, n=4)            # ring-model bytes each rank sends per step, by op
+    spec.model_state_bytes(psi=1000, n=4)     # parameters + gradients + Adam state per rank
+
+The theory is computed from two declarations, so that the comparison's expected bytes, the RSS
+bound and the cost model (costmodel.py) all price a strategy the same way:
+
+- `collectives`: what one optimizer step sends. Each entry is an op over a group of ranks
+  (the world; the shard group of S ranks; the replicas, R = n / S, one rank of each shard
+  group) carrying the whole model or one shard group's 1/S of it, `count` times.
+- `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
+  1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
+
+Ring model, on a group of g ranks moving M bytes: reduce_scatter and all_gather send
+(g-1)/g M per rank, all_reduce twice that; a broadcast is counted M for every rank, as
+minidist.comm counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+KINDS = ("minidist", "native", "deepspeed")
+CHECKPOINTS = ("full", "sharded", "deepspeed")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+GROUPS = ("world", "shard", "replicas")
+
+# Bytes per parameter of each part of the model state, Adam (two moments):
+#   fp32: 4-byte parameters and gradients, 8 bytes of moments;
+#   mixed: the ZeRO paper's mixed precision, 2 + 2 bytes and K = 12 (fp32 master copy + moments).
+STATE_BYTES = {"fp32": {"parameters": 4, "gradients": 4, "optimizer": 8},
+               "mixed": {"parameters": 2, "gradients": 2, "optimizer": 12}}
+# The part each ZeRO stage adds to what is sharded.
+SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a step performs: `op` over `group`, carrying `payload` ("model": all Ψ
+    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step."""
+
+    op: str
+    group: str = "world"
+    payload: str = "model"
+    count: int = 1
+
+    def __post_init__(self):
+        if self.op not in OPS or self.group not in GROUPS or self.payload not in ("model", "shard"):
+            raise ValueError(f"Collective({self.op!r}, {self.group!r}, {self.payload!r}): op one of {OPS}, "
+                             f"group one of {GROUPS}, payload model or shard")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One strategy, registered once (registry.register). `factory(cfg, ctx, compute_dtype)`
+    builds its Strategy; everything else is read by the config checks, the comparison, the
+    RSS bound, the cost model and the docs."""
+
+    name: str
+    kind: str                          # minidist (ours) | native (PyTorch's) | deepspeed
+    factory: Callable
+    summary: str                       # one line: what it is
+    checkpoint: str = "full"           # full: rank 0 writes model.pt; sharded: a shard per rank; deepspeed: its own
+    reference: str | None = None       # what a comparison checks it against (None: nothing)
+    zero_stage: int = 0                # 0 replicated ... 3 parameters sharded too
+    hybrid: bool = False               # on a 2-D mesh: shard groups of strategy.shard_size, replicated
+    messages: str = "buckets"          # what splits a step's payload: buckets (bucket_cap_mb) or units (stage 3)
+    collectives: tuple[Collective, ...] = ()
+    options: tuple[str, ...] = ()      # the strategy config's keys it reads (besides name)
+    fp16: bool = True                  # takes torch's GradScaler (trainer.precision=fp16)
+    traces_comm: bool = True           # its communication goes through minidist.comm (CommTracer sees it)
+    single_rank: bool = False          # runs on exactly one rank
+    extra: dict = field(default_factory=dict, compare=False)  # a family's own facts (e.g. its stage)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"StrategySpec {self.name!r}: kind={self.kind!r}, choose one of {KINDS}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"StrategySpec {self.name!r}: checkpoint={self.checkpoint!r}, choose one of {CHECKPOINTS}")
+        if self.messages not in ("buckets", "units") or not 0 <= self.zero_stage <= 3:
+            raise ValueError(f"StrategySpec {self.name!r}: messages buckets|units, zero_stage 0-3")
+        if any(c.group != "world" for c in self.collectives) and not self.hybrid:
+            raise ValueError(f"StrategySpec {self.name!r}: shard/replica collectives need hybrid=True")
+
+    # -- theory
+    def group_sizes(self, n: int, shard: int | None) -> dict[str, int] | None:
+        """Ranks in each group on a world of n (None when a hybrid strategy's S is unknown)."""
+        if not self.hybrid:
+            return {"world": n}
+        if shard is None:
+            return None
+        return {"world": n, "shard": shard, "replicas": n // shard}
+
+    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: int = 4) -> dict[str, float]:
+        """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
+        hybrid strategy without `shard`, the size S of its shard groups)."""
+        sizes = self.group_sizes(n, shard)
+        if n <= 1 or sizes is None:
+            return {}
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            g = sizes[c.group]
+            m = psi * element_bytes / (shard if c.payload == "shard" else 1)
+            sent = m if c.op == "broadcast" else (2 if c.op == "all_reduce" else 1) * (g - 1) / g * m
+            if sent:
+                out[c.op] = out.get(c.op, 0.0) + c.count * sent
+        return out
+
+    def sharded_over(self, part: str) -> bool:
+        return self.zero_stage >= SHARDED_FROM_STAGE[part]
+
+    def model_state_bytes(self, psi: float, n: int, shard: int | None = None, precision: str = "fp32") -> float:
+        """Parameters + gradients + Adam's state per rank: each part whole, or 1/(ranks it is
+        sharded over) of it (the shard group's S for a hybrid strategy, the world's n otherwise)."""
+        over = (shard or n) if self.hybrid else n
+        return sum(b * psi / (over if self.sharded_over(part) else 1) for part, b in STATE_BYTES[precision].items())

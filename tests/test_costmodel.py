@@ -1,0 +1,81 @@
+"""The cost model (minidist/costmodel.py): its formulas, the limits where strategies must agree, what it
+picks, and its validation against measurements (scripts/validate_sim.sh runs it on shaped links:
+tests/test_validate_sim.py, slow)."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from minidist import costmodel
+from minidist.costmodel import Cluster, Link
+
+C = Cluster(per_host=8, intra_bw=100e9, intra_lat=2e-6, inter_bw=10e9, inter_lat=20e-6)
+
+
+def test_ring_and_tree_formulas():
+    link = Link(lat=1e-3, bw=1e6)
+    # all_reduce of 4 MB on 4 ranks: 2 x 3 steps of (1 ms + 1 MB / 1 MB/s)
+    assert costmodel.ring_steps_time(4, 4e6, link, 2) == pytest.approx(6 * (1e-3 + 1.0))
+    assert costmodel.ring_steps_time(4, 4e6, link, 2, messages=4) == pytest.approx(4 * 6 * (1e-3 + 0.25))
+    assert costmodel.tree_all_reduce_time(8, 4e6, link) == pytest.approx(2 * 3 * 1e-3 + 2 * 7 / 8 * 4.0)
+    assert costmodel.ring_steps_time(1, 4e6, link, 2) == 0.0
+
+
+def test_on_one_host_hybrid_strategies_reduce_to_their_flat_selves():
+    for flat, hybrid in (("zero3", "hsdp3"), ("zero2", "hsdp2"), ("ddp", "ddp_hierarchical")):
+        a = costmodel.step_comm_time(flat, 1e9, 1, C, units=24)
+        b = costmodel.step_comm_time(hybrid, 1e9, 1, C, units=24)
+        assert b["replicas"] == 0.0 and b["total"] == pytest.approx(a["total"]), (flat, hybrid)
+
+
+def test_across_hosts_only_one_shard_crosses():
+    hosts, params = 64, 1e9
+    t = costmodel.step_comm_time("hsdp3", params, hosts, C, units=1, comm_bytes=4)
+    # the replicas' all_reduce of 4 Psi / G bytes over 64 hosts, the host's network shared by G rings
+    expected = 2 * (hosts - 1) * (C.inter_lat + 4 * params / C.per_host / hosts / (C.inter_bw / C.per_host))
+    assert t["replicas"] == pytest.approx(expected)
+    # Bandwidth: a host's network carries 2 (R-1)/R x 4 Psi (G rings of 1/G) under hsdp3, against
+    # 3 (N-1)/N x 4 Psi for zero3's world rings: about 2/3. Latency: R-1 steps across, not N-1.
+    no_latency = replace(C, inter_lat=0.0, intra_lat=0.0)
+    across = costmodel.step_comm_time("hsdp3", params, hosts, no_latency, units=1, comm_bytes=4)["replicas"]
+    zero3 = costmodel.step_comm_time("zero3", params, hosts, no_latency, units=1, comm_bytes=4)["total"]
+    assert across / zero3 == pytest.approx((2 * 63 / 64) / (3 * 511 / 512))
+    many_units = [costmodel.step_comm_time(s, params, hosts, C, units=80)["total"] for s in ("hsdp3", "zero3")]
+    assert many_units[0] < many_units[1] / 2
+
+
+def test_memory_formulas_and_the_shard_size_that_fits():
+    psi = 1e9
+    assert costmodel.state_bytes_per_rank("zero3", psi, 4, 8) == pytest.approx(16 * psi / 32)
+    assert costmodel.state_bytes_per_rank("hsdp3", psi, 4, 8) == pytest.approx(16 * psi / 8)
+    assert costmodel.state_bytes_per_rank("zero2", psi, 4, 8) == pytest.approx(2 * psi + 14 * psi / 32)
+    rows = costmodel.evaluate(70e9, 80, 128, costmodel.CLUSTERS["ib"])
+    assert rows["hsdp3"]["shard"] == 32 and rows["hsdp3"]["fits"]  # 16 x 70e9 / 32 = 35 GB <= 40 GB
+    assert not rows["ddp"]["fits"] and not rows["zero2"]["fits"]
+
+
+def test_recommendations():
+    pick, rows = costmodel.recommend(70e9, 80, 128, costmodel.CLUSTERS["ib"])
+    assert pick == "hsdp3"
+    assert costmodel.recommend(1e9, 24, 2048, costmodel.CLUSTERS["ethernet"])[0] == "hsdp3"
+    assert costmodel.recommend(1e13, 80, 2, costmodel.CLUSTERS["ib"])[0] is None  # nothing fits 16 ranks
+    assert all(math.isfinite(r["total"]) for r in rows.values())
+
+
+def test_validation_passes_its_own_predictions_and_fails_a_third_off():
+    m = {"hosts": 2, "per_host": 2, "params": 1 << 20, "messages": 2, "intra_lat": 1e-4, "intra_bw": 1e9,
+         "inter_lat": 2e-3, "inter_bw": 25e6, "measured": {"ddp": 1.0, "zero3": 1.0, "ddp_hierarchical": 1.0, "hsdp3": 1.0}}
+    m["measured"] = costmodel.predict_measured(m)
+    assert costmodel.validate(m)[0]
+    m["measured"] = {k: v * 1.5 for k, v in m["measured"].items()}  # predictions 33% low
+    ok, text = costmodel.validate(m)
+    assert not ok and "| ddp |" in text
+
+
+def test_command_line(capsys):
+    assert costmodel.main(["recommend", "--params", "7e9", "--hosts", "16", "--cluster", "ethernet"]) == 0
+    out = capsys.readouterr().out
+    assert "pick: " in out and "hsdp3" in out
+    assert costmodel.main(["table"]) == 0
+    assert "| 16,384 |" in capsys.readouterr().out

@@ -1,0 +1,203 @@
+"""The strategy registry: every strategy declared once by its spec, and read from there.
+
+- A strategy registered here, in a test file (the README's ten-line example), trains,
+  checkpoints, resumes exactly, consolidates and takes part in a comparison, with no other
+  file of minidist changed: the module registers it, and its config names the module.
+- No module of minidist outside minidist/train/strategies/ spells a strategy's name.
+- Each spec's theory is what the rest of minidist used to compute by hand (the comparison's
+  bytes, the RSS bound and the cost model read the same spec).
+- Each strategy's config (configs/strategy/NAME.yaml) holds exactly the options its spec says
+  it takes, and code without Hydra reads the same file.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from minidist import comm
+from minidist.train.errors import ConfigError
+from minidist.train.strategies import Collective, Strategy, StrategySpec, register
+from train_cases import ROOT, assert_same, compose_cfg, tiny, train_on_rank
+
+
+# -- the example, as the README shows it ------------------------------------------------------
+class AverageAfterBackward(Strategy):
+    """Naive data parallelism: rank 0's weights everywhere, each gradient averaged after backward."""
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        for t in [*net.parameters(), *net.buffers()]:
+            comm.broadcast(t.data, src=0)
+        return net, optim_cls(net.parameters(), **optim_kwargs)
+
+    def no_sync(self):  # gradients accumulate locally; optimizer_step averages their sum
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, max_norm, scaler):
+        for p in self.net.parameters():
+            p.grad.div_(self.ctx.world_size)
+            comm.all_reduce(p.grad)
+        return super().optimizer_step(max_norm, scaler)
+
+
+register(StrategySpec("naive_example", "minidist", AverageAfterBackward, "all_reduce each gradient after backward",
+                      reference="native_ddp", collectives=(Collective("all_reduce"),)))
+# ----------------------------------------------------------------------------------------------
+
+EXAMPLE = {"name": "naive_example", "module": __name__}  # the module every rank imports to find it
+
+
+def with_example(cfg: dict) -> dict:
+    return {**cfg, "strategy": dict(EXAMPLE)}
+
+
+def test_example_strategy_trains_checkpoints_resumes_and_consolidates(ranks, tmp_path):
+    from minidist.train.checkpoint import consolidate, list_checkpoints
+
+    pool = ranks(2)
+    straight = pool.run(train_on_rank, with_example(tiny()), str(tmp_path / "straight"), timeout_s=180)
+    first = pool.run(train_on_rank, with_example(tiny("trainer.stop_at=10")), str(tmp_path / "split"), timeout_s=180)
+    [ckpt] = list_checkpoints(tmp_path / "split")
+    resumed = pool.run(train_on_rank, with_example(tiny()), str(tmp_path / "split"), str(ckpt), timeout_s=180)
+    for r in range(2):
+        assert_same(straight[r]["full_state"], resumed[r]["full_state"], f"rank {r}")
+    assert_same(consolidate(ckpt), first[0]["full_state"])  # the plain state_dict at step 10
+
+
+def test_example_strategy_takes_part_in_a_comparison(tmp_path):
+    from minidist.compare.launch_compare import check_strategies, launch
+    from minidist.train.strategies import strategy_options
+
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="compare", overrides=[
+            "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
+            "trainer.micro_batch_size=4", "compare.warmup=1", "compare.steps=3", "launcher.nproc=2",
+            "compare.strategies=[naive_example,native_ddp]"])
+    check_strategies(cfg)
+    OmegaConf.set_struct(cfg, False)
+    cfg.compare.options = {"naive_example": EXAMPLE, "native_ddp": strategy_options("native_ddp")}
+    assert launch(cfg, tmp_path / "run", "test") == 0
+    import json
+
+    rows = json.loads((tmp_path / "run" / "results.json").read_text())["rows"]
+    row = rows["naive_example"]
+    assert (row["kind"], row["reference"], row["ok"]) == ("minidist", "native_ddp", True)
+    assert set(row["theory_bytes_per_step"]) == {"all_reduce"}
+
+
+def test_a_name_registered_twice_and_an_unknown_module_are_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        register(StrategySpec("naive_example", "minidist", AverageAfterBackward, "another one"))
+    with pytest.raises(ConfigError, match="strategy.module='no_such_module' cannot be imported"):
+        from minidist.train.strategies import spec
+
+        spec("not_registered", OmegaConf.create({"name": "not_registered", "module": "no_such_module"}))
+
+
+# -- no strategy's name outside the registry -----------------------------------------------------
+# Strings that equal a strategy's name but mean something else.
+NOT_A_STRATEGY = {("minidist/dist.py", "single")}  # LaunchInfo.launcher: a process started without a launcher
+
+
+def strategy_names_spelled(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in `path` that is a strategy's name, or a prefix of
+    one given to startswith/endswith (the dispatch the registry replaced); docstrings aside."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                and node.value in names:
+            found.append((node.lineno, node.value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr in ("startswith", "endswith", "removeprefix"):
+            for c in (c for a in node.args for c in ast.walk(a)):
+                if isinstance(c, ast.Constant) and isinstance(c.value, str) and len(c.value) >= 3 and \
+                        any(n.startswith(c.value) for n in names):
+                    found.append((c.lineno, f"startswith({c.value!r})"))
+    return found
+
+
+def test_no_module_outside_the_registry_spells_a_strategy_name():
+    from minidist.train.strategies import names
+
+    known = set(names())
+    package = ROOT / "minidist"
+    spelled = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if (package / "train" / "strategies") in path.parents:
+            continue
+        hits = [h for h in strategy_names_spelled(path, known) if (str(rel), h[1]) not in NOT_A_STRATEGY]
+        if hits:
+            spelled[str(rel)] = hits
+    assert not spelled, f"strategy names outside minidist/train/strategies/ (read them from the spec): {spelled}"
+
+
+def test_the_scan_finds_a_spelled_name(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('"""zero2 in a docstring is fine."""\nif name.startswith("hsdp") or name == "zero2":\n    pass\n')
+    assert sorted(strategy_names_spelled(f, {"zero2", "hsdp2"})) == [(2, "startswith('hsdp')"), (2, "zero2")]
+
+
+# -- the theory each spec declares ---------------------------------------------------------------
+@pytest.mark.parametrize("name, stage_bytes", [("ddp", (16, 0)), ("zero1", (8, 8)), ("zero2", (4, 12)),
+                                               ("zero3", (0, 16)), ("native_zero1", (8, 8)), ("native_fsdp", (0, 16)),
+                                               ("ds_zero2", (4, 12))])
+def test_model_state_is_the_zero_papers(name, stage_bytes):
+    from minidist.train.strategies import spec
+
+    whole, sharded = stage_bytes  # fp32 + Adam: bytes per parameter kept whole, and sharded over n
+    assert spec(name).model_state_bytes(1000, 4) == whole * 1000 + sharded * 1000 / 4
+    assert spec(name).model_state_bytes(1000, 4, precision="mixed") == pytest.approx(
+        {0: 16, 1: 4 + 12 / 4, 2: 2 + 14 / 4, 3: 16 / 4}[spec(name).zero_stage] * 1000)
+
+
+def test_hybrid_theory_needs_the_shard_size_and_splits_the_traffic():
+    from minidist.train.strategies import spec
+
+    assert spec("hsdp2").wire_bytes(1000, 4) == {}
+    # 2 replicas x 2 shard ranks: ZeRO within the pair, 2 (R-1)/R x 4 psi / S across
+    assert spec("ddp_hierarchical").wire_bytes(1000, 4, shard=2) == {"reduce_scatter": 2000.0, "all_gather": 2000.0,
+                                                                     "all_reduce": 2000.0}
+    assert spec("native_zero1").wire_bytes(1000, 4) == {"all_reduce": 6000.0, "broadcast": 4000.0}
+
+
+# -- one place for a strategy's defaults ----------------------------------------------------------
+def yaml_strategies() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "configs" / "strategy").glob("*.yaml"))
+
+
+def test_every_registered_strategy_has_a_config_and_every_config_a_strategy():
+    from minidist.train.strategies import names
+
+    shipped = {n for n in names() if n != "naive_example"}
+    assert shipped == set(yaml_strategies())
+
+
+@pytest.mark.parametrize("name", yaml_strategies())
+def test_each_config_holds_the_options_its_spec_takes_and_code_reads_the_same(name):
+    from minidist.train.strategies import check_options, spec, strategy_options
+
+    composed = compose_cfg([f"strategy={name}"]).strategy
+    assert composed.name == name
+    check_options(composed)  # every key one it takes...
+    assert set(composed) - {"name"} == set(spec(name).options)  # ...and every option it takes has its default there
+    assert OmegaConf.to_container(strategy_options(name)) == OmegaConf.to_container(composed)
+
+
+def test_an_option_a_strategy_does_not_take_is_refused():
+    from minidist.train.strategies import check_options
+
+    cfg = OmegaConf.create({"name": "zero3", "bucket_cap_mb": 25, "min_unit_params": 1, "broadcast_buffers": True,
+                            "collectives": "auto"})
+    with pytest.raises(ConfigError, match=r"strategy.bucket_cap_mb: strategy=zero3 does not take it"):
+        check_options(cfg)
