@@ -1,9 +1,10 @@
-"""Start local ranks for a recipe run with plain `python`, using torch's elastic launcher.
+"""Start a job's ranks: in this process under torchrun / SLURM, else local ranks started now.
 
-    if not minidist.launch.under_launcher():
-        minidist.launch.run_local(main_fn, nproc=4, args=(cfg_dict,))
+    results = run_ranks(main_fn, nproc=4, args=(cfg_dict,))   # rank -> result; RanksFailed names failures
 
-Under torchrun / SLURM the recipe calls its main function directly instead.
+With plain `python`, run_ranks starts `nproc` local ranks through torch's elastic launcher
+(run_local); under torchrun or srun this process is already one rank and calls main_fn itself.
+The trainer and the comparison both launch through it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ def run_local(fn: Callable, nproc: int, args: tuple = ()) -> dict:
     return elastic_launch(config, entrypoint=fn)(*args)
 
 
+class RanksFailed(RuntimeError):
+    """Local ranks that failed (each has logged its own traceback)."""
+
+    def __init__(self, ranks):
+        self.ranks = sorted(ranks)
+        super().__init__(f"rank(s) {self.ranks} failed")
+
+
+def run_ranks(fn: Callable, nproc: int, args: tuple = ()) -> dict:
+    """fn(*args) on every rank of the job; rank -> result. Under a launcher (torchrun, SLURM) this
+    process is one rank: {its rank: its result}, its exceptions its own. Otherwise `nproc` local
+    ranks start now, and any that fails raises RanksFailed."""
+    if under_launcher():
+        from minidist.dist import launch_rank
+
+        return {launch_rank(): fn(*args)}
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        return run_local(fn, nproc=nproc, args=args)
+    except ChildFailedError as e:
+        raise RanksFailed(e.failures) from None
+
+
 def run_recipe(fn: Callable, cfg, path_keys: tuple[str, ...] = ()) -> None:
     """A recipe's entry: call fn(cfg_dict) on this rank under torchrun / SLURM, else start
     `cfg.nproc` local ranks that each call it.
@@ -55,7 +80,4 @@ def run_recipe(fn: Callable, cfg, path_keys: tuple[str, ...] = ()) -> None:
     for key in path_keys:
         if cfg_dict.get(key):
             cfg_dict[key] = os.path.abspath(cfg_dict[key])
-    if under_launcher():
-        fn(cfg_dict)
-    else:
-        run_local(fn, nproc=int(cfg_dict["nproc"]), args=(cfg_dict,))
+    run_ranks(fn, nproc=int(cfg_dict["nproc"]), args=(cfg_dict,))

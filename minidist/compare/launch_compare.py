@@ -11,7 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from minidist.dist import launch_rank
-from minidist.launch import run_local, under_launcher
+from minidist.launch import RanksFailed, run_ranks
 from minidist.train.errors import ConfigError
 from minidist.train.strategies import names as strategy_names
 from minidist.train.strategies import spec
@@ -91,7 +91,7 @@ def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
 
 
 def _rank_main(cfg_dict: dict, run_dir: str, command: str) -> int | None:
-    """One rank under torchrun: compare, then rank 0 writes the report."""
+    """One rank: compare, then rank 0 writes the report and returns the status (None elsewhere)."""
     from minidist.compare.run import compare_rank
 
     results = compare_rank(cfg_dict, run_dir)
@@ -111,18 +111,12 @@ def launch(cfg, run_dir: Path, command: str) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     if launch_rank() == 0:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))  # the resolved config, once
-    if under_launcher():
-        return _rank_main(cfg_dict, str(run_dir), command) or 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from minidist.compare.run import compare_rank
-
     try:
-        out = run_local(compare_rank, nproc=world, args=(cfg_dict, str(run_dir)))
-    except ChildFailedError as e:
-        print(f"error: the comparison failed on rank(s) {sorted(e.failures)} (their traceback is above)", file=sys.stderr)
+        statuses = run_ranks(_rank_main, nproc=world, args=(OmegaConf.to_container(cfg, resolve=True), str(run_dir),
+                                                            command))
+    except RanksFailed as e:
+        print(f"error: the comparison failed on rank(s) {e.ranks} (their traceback is above)", file=sys.stderr)
         return 1
-    return write_report(out[0], cfg, run_dir, command)
+    return statuses.get(0) or 0

@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from minidist.dist import choose_backend, detect_launch, launch_rank
-from minidist.launch import run_local, under_launcher
+from minidist.launch import RanksFailed, run_ranks, under_launcher
 from minidist.train.config_check import validate
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
@@ -165,15 +165,10 @@ def launch(cfg, run_dir: str | Path) -> int:
         return 2
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
-    if under_launcher():
-        run_rank(cfg_dict, str(run_dir), resume)
-        return 0
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
-        run_local(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
-    except ChildFailedError as e:
-        print(f"error: training failed on rank(s) {sorted(e.failures)}; each rank's log is in {run_dir / 'logs'}",
+        run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
+    except RanksFailed as e:
+        print(f"error: training failed on rank(s) {e.ranks}; each rank's log is in {run_dir / 'logs'}",
               file=sys.stderr)
         if (line := dumps_line(run_dir / "logs")) is not None:
             print(line, file=sys.stderr)
