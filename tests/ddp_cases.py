@@ -18,7 +18,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import minidist
-from minidist.train.models import GPT, MLP, ConvNet
+from minidist.train.models import GPT, MLP
+
+
+class ConvNet(nn.Module):
+    """conv-BN-ReLU x2, pool, linear: small, but with BatchNorm buffers."""
+
+    def __init__(self, channels: int = 3, classes: int = 10, width: int = 8):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.fc = nn.Linear(8 * width, classes)
+
+    def forward(self, x):
+        return self.fc(self.features(x).flatten(1))
+
 
 PER_RANK_BATCH = 4
 

@@ -162,7 +162,7 @@ def leftover_processes(tag: str) -> list:
 
 
 def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
-    from minidist.train.hangs import collective_failure
+    from minidist.train.collective_failure import collective_failure
     late = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv operation")
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40087: Connection reset by peer")
     other = RuntimeError("[gloo/allreduce.cc:12] Gloo all_reduce failed: tensors must have the same size")

@@ -39,24 +39,30 @@ class GradientSyncSwitch:
 
 
 class BucketedBackward(GradientSyncSwitch):
-    """Mixin: call `_init_bucketed_backward` once the buckets exist; implement the three hooks."""
+    """Mixin: call `_init_bucketed_backward` once the buckets exist; implement the three hooks.
 
-    def _init_bucketed_backward(self, names: list[str], params: list[torch.Tensor], *, overlap: bool,
-                                find_unused_parameters: bool, world_size: int, process_group,
+    The class it is mixed into owns the parameters and the group (the attributes below, set
+    before `_init_bucketed_backward`); this mixin reads them and owns only the backward's state."""
+
+    # -- what the class it is mixed into holds (set once, by that class) ------------
+    _names: list[str]
+    _params: list[torch.Tensor]
+    world_size: int
+    process_group: object
+
+    def _init_bucketed_backward(self, *, overlap: bool, find_unused_parameters: bool,
                                 record_ready_order: bool = False) -> None:
-        self._names, self._params = names, params
         self.overlap = overlap
         self.find_unused_parameters = find_unused_parameters
-        self.world_size, self.process_group = world_size, process_group
         self._record_ready_order = record_ready_order
         self._sync_enabled = True
         self._in_backward = False
-        self._ready = [False] * len(params)
-        self._used = [False] * len(params)
+        self._ready = [False] * len(self._params)
+        self._used = [False] * len(self._params)
         self._ready_order: list[int] = []
         self._next_bucket = 0
         self.last_wait_s = 0.0  # how long the last backward waited for communication at its end
-        for i, p in enumerate(params):
+        for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
 
     # -- what a subclass provides -------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from minidist import comm
 from minidist.buckets import Bucket
-from minidist.parallel.replicas import ReplicaReduce
+from minidist.parallel.across_replicas import ReplicaReduce
 
 
 def allreduce_hook(bucket: Bucket):

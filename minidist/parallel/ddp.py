@@ -155,9 +155,7 @@ class DataParallel(BucketedBackward, nn.Module):
 
         self._build_buckets(list(reversed(range(len(self._params)))))
         # Record the order gradients arrive in during the first synced backward, then rebuild.
-        self._init_bucketed_backward(self._names, self._params, overlap=overlap,
-                                     find_unused_parameters=find_unused_parameters,
-                                     world_size=self.world_size, process_group=process_group,
+        self._init_bucketed_backward(overlap=overlap, find_unused_parameters=find_unused_parameters,
                                      record_ready_order=True)
 
     # ----------------------------------------------------------------------- buckets

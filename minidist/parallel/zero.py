@@ -49,7 +49,7 @@ from minidist.parallel.eager import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard
 from minidist.parallel.module_state import ModuleStateHooks
-from minidist.parallel.replicas import ReplicaReduce
+from minidist.parallel.across_replicas import ReplicaReduce
 from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.zero_join import ShardedJoin
 
@@ -404,9 +404,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
         # Without find_unused_parameters, a parameter without gradient raises when backward ends
         # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
-        self._init_bucketed_backward(self._names, self._params, overlap=(stage == 2 and overlap),
-                                     find_unused_parameters=find_unused_parameters, world_size=self.world_size,
-                                     process_group=self.process_group)
+        self._init_bucketed_backward(overlap=(stage == 2 and overlap), find_unused_parameters=find_unused_parameters)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)

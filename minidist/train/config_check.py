@@ -146,9 +146,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     bad = [r for r, _ in kills if not 0 <= r < world_size]
     if bad:
         raise ConfigError(f"debug.kill_rank={bad[0]} is not a rank of this {world_size}-rank run: give 0..{world_size - 1}")
-    if str(t.get("nonfinite", "skip")) not in ("skip", "stop"):
+    if str(t.nonfinite) not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite!r} must be skip (skip the update, go on) or stop")
-    peak = t.get("peak_tflops", "auto")
+    peak = t.peak_tflops
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
     if t.precision not in PRECISIONS:

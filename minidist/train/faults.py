@@ -13,7 +13,7 @@ lists of the same length, e.g. debug.kill_rank=[1,3,0] debug.kill_at_step=[120,4
 
 debug.stall_rank / debug.stall_at_step: that rank stops participating before that step (it
 sleeps, as a rank stuck in a data loader or a deadlock would); the others must fail after
-launcher.timeout_s (minidist/train/hangs.py names what they waited for).
+launcher.timeout_s (minidist/train/collective_failure.py names what they waited for).
 debug.nan_rank / debug.nan_at_step: that rank's loss becomes nan at that step.
 
 The trainer parses the plan once (FaultPlan) and asks it at each step.

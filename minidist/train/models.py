@@ -3,7 +3,6 @@
 - MLP: the simplest thing with several layers.
 - GPT: a GPT-2-style decoder (pre-norm blocks, causal self-attention, tied
   token embedding and output head) — the transformer every strategy is tested on.
-- ConvNet: a CNN with BatchNorm, to exercise buffers (running statistics).
 """
 
 from __future__ import annotations
@@ -100,22 +99,6 @@ class GPT(nn.Module):
     @staticmethod
     def loss(logits, targets):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-class ConvNet(nn.Module):
-    """conv-BN-ReLU x2, pool, linear: small, but with BatchNorm buffers."""
-
-    def __init__(self, channels: int = 3, classes: int = 10, width: int = 8):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(2),
-        )
-        self.fc = nn.Linear(8 * width, classes)
-
-    def forward(self, x):
-        return self.fc(self.features(x).flatten(1))
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -1,7 +1,7 @@
 """What a stuck NCCL collective leaves behind for the person who has to find it.
 
-On gloo a collective that times out raises in the rank that called it, and hangs.py names the
-step and the collective. On NCCL the waiting happens on the GPU: the host never blocks inside a
+On gloo a collective that times out raises in the rank that called it, and collective_failure.py
+names the step and the collective. On NCCL the waiting happens on the GPU: the host never blocks inside a
 collective (wait() only makes a stream wait), and at launcher.timeout_s NCCL's watchdog thread
 tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) before Python code can name
 anything. So every run switches on NCCL's flight recorder: each rank keeps a record of its last

@@ -25,7 +25,7 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     fused kernels on CUDA, where they also skip a non-finite step without a host synchronisation
     (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
     kwargs = {"lr": float(optim_cfg.lr), "weight_decay": float(optim_cfg.weight_decay)}
-    fused = optim_cfg.get("fused", "auto")
+    fused = optim_cfg.fused
     if fused == "auto" and device.type == "cuda" or fused is True:
         kwargs["fused"] = True
     if optim_cfg.name == "adamw":

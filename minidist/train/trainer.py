@@ -34,9 +34,9 @@ from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import collate
 from minidist.train.device_setup import configure_device, to_device
 from minidist.train.faults import FaultPlan
-from minidist.train.hangs import collective_failure
+from minidist.train.collective_failure import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
-from minidist.train.observe import RunLog
+from minidist.train.run_log import RunLog
 from minidist.train.peak_flops import peak_tflops
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
 from minidist.train.strategies import local_tensor
@@ -85,7 +85,7 @@ class Trainer:
         t = cfg.trainer
         self.ctx = ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=cfg.launcher.timeout_s)
         self.grad_accum = grad_accum_steps(cfg, ctx.world_size)
-        configure_device(ctx.device, bool(t.get("tf32", False)))
+        configure_device(ctx.device, bool(t.tf32))
         self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
         self.log = RunLog(cfg, self.run_dir, ctx)
 
@@ -107,7 +107,7 @@ class Trainer:
         if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
         self.skipped_steps = 0
-        self.peak_tflops = peak_tflops(t.get("peak_tflops", "auto"), ctx.device, t.precision)  # for MFU
+        self.peak_tflops = peak_tflops(t.peak_tflops, ctx.device, t.precision)  # for MFU
         if self.peak_tflops is None:
             self.log.info(f"no MFU: {torch.cuda.get_device_name(ctx.device)} is not in peak_flops.KNOWN_GPUS; "
                           "set trainer.peak_tflops to its peak TFLOP/s in this precision")
@@ -235,7 +235,7 @@ class Trainer:
         unchecked: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet read on the host
         start = self.step
         while self.step < end:
-            if t.get("timeline_step") is not None and self.step + 1 == int(t.timeline_step):
+            if t.timeline_step is not None and self.step + 1 == int(t.timeline_step):
                 m = self.traced_step(batches)
             else:
                 m = self.train_step(batches)
@@ -331,7 +331,7 @@ class Trainer:
         if trainer.nonfinite=stop (at this check, which comes at the next log, eval or checkpoint
         step: trainer.log_every=1 stops at once)."""
         self.skipped_steps += 1
-        policy = str(self.cfg.trainer.get("nonfinite", "skip"))
+        policy = str(self.cfg.trainer.nonfinite)
         message = (f"step {step}: non-finite gradient norm ({norm}): the update was skipped "
                    f"({self.skipped_steps} skipped so far)")
         if policy == "stop":
