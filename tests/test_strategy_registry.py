@@ -100,6 +100,14 @@ def test_a_name_registered_twice_and_an_unknown_module_are_refused():
         spec("not_registered", OmegaConf.create({"name": "not_registered", "module": "no_such_module"}))
 
 
+def test_the_readme_shows_this_example():
+    """The README's "Adding a strategy" code is this file's example, line for line."""
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("#### Adding a strategy", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    ours = Path(__file__).read_text().split("# -- the example, as the README shows it", 1)[1].split("\n# ---", 1)[0]
+    assert [l for l in shown.splitlines() if l.strip()] == [l for l in ours.splitlines()[1:] if l.strip()]
+
+
 # -- no strategy's name outside the registry -----------------------------------------------------
 # Strings that equal a strategy's name but mean something else.
 NOT_A_STRATEGY = {("minidist/dist.py", "single")}  # LaunchInfo.launcher: a process started without a launcher
@@ -192,6 +200,14 @@ def test_each_config_holds_the_options_its_spec_takes_and_code_reads_the_same(na
     check_options(composed)  # every key one it takes...
     assert set(composed) - {"name"} == set(spec(name).options)  # ...and every option it takes has its default there
     assert OmegaConf.to_container(strategy_options(name)) == OmegaConf.to_container(composed)
+
+
+def test_the_readmes_strategy_table_lists_every_shipped_strategy():
+    import re
+
+    table = (ROOT / "README.md").read_text().split("### Strategies\n\n", 1)[1].split("\n\n", 1)[0]
+    listed = {n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert listed == set(yaml_strategies())
 
 
 def test_an_option_a_strategy_does_not_take_is_refused():

@@ -28,7 +28,7 @@ def test_cost_model_within_a_quarter_of_shaped_links(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "within 25% for every pattern" in out.stdout
-    for pattern in ("ddp", "zero3", "hierarchical", "hsdp3"):
+    for pattern in ("ddp", "zero3", "ddp_hierarchical", "hsdp3"):
         assert f"| {pattern} |" in out.stdout
     assert (tmp_path / "measured.json").is_file()
 
