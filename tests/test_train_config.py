@@ -17,6 +17,8 @@ CASES = [
     (["trainer.precision=fp16", "strategy=ds_zero2"], 2,
      r"trainer.precision=fp16 with strategy=ds_zero2: .* use trainer.precision=bf16"),
     (["trainer.precision=fp32x"], 2, r"trainer.precision='fp32x'"),
+    (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' is not an optimizer class"),
+    (["optim._target_=torch.optim.NoSuch"], 2, r"optim._target_='torch.optim.NoSuch' cannot be imported"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
     (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),
@@ -85,3 +87,15 @@ def test_peak_tflops_must_be_auto_or_a_positive_number(tmp_path):
     from train_cases import compose_cfg, tiny_overrides
     with pytest.raises(ConfigError, match="trainer.peak_tflops='fast' must be auto"):
         validate(compose_cfg(tiny_overrides("trainer.peak_tflops=fast")), 2, tmp_path / "run")
+
+
+def test_the_optimizer_is_the_groups_target_with_its_arguments():
+    from omegaconf import OmegaConf
+
+    from minidist.train.optim import optimizer_spec
+
+    adamw = OmegaConf.load(CONFIGS / "optim" / "adamw.yaml")
+    assert optimizer_spec(adamw) == (torch.optim.AdamW, {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1})
+    sgd = OmegaConf.load(CONFIGS / "optim" / "sgd.yaml")
+    assert optimizer_spec(sgd, torch.device("cuda")) == (  # fused: auto takes the fused kernels on CUDA
+        torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "fused": True})

@@ -16,11 +16,11 @@ from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkp
 from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
-from minidist.train.models import build_model
+from minidist.train.models import MODELS, build_model
+from minidist.train.optim import optimizer_spec
 from minidist.train.strategies import check_options, mesh_dims
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-MODEL_KINDS = {"gpt": "text", "resnet18": "image", "mlp": "image"}  # the data each model takes
 
 
 def _positive(cfg, key: str, minimum: int = 1) -> int:
@@ -151,6 +151,7 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     peak = t.peak_tflops
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
+    optimizer_spec(cfg.optim)  # an optimizer class it can import, or a ConfigError naming optim._target_
     if t.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
     if t.precision == "fp16" and not spec.fp16:  # the others take torch's GradScaler, on CPU as on CUDA
@@ -159,9 +160,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if cfg.data.name not in data_mod.TEXT_SETS + data_mod.IMAGE_SETS:
         raise ConfigError(f"data.name={cfg.data.name!r} is unknown: choose one of "
                           f"{list(data_mod.TEXT_SETS + data_mod.IMAGE_SETS)}")
-    if cfg.model.name not in MODEL_KINDS:
-        raise ConfigError(f"model.name={cfg.model.name!r} is unknown: choose one of {list(MODEL_KINDS)}")
-    if MODEL_KINDS[cfg.model.name] != data_mod.data_info(cfg.data).kind:
+    if cfg.model.name not in MODELS:
+        raise ConfigError(f"model.name={cfg.model.name!r} is unknown: choose one of {list(MODELS)}")
+    if MODELS[cfg.model.name][0] != data_mod.data_info(cfg.data).kind:  # the kind of data it takes
         raise ConfigError(f"model={cfg.model.name} cannot train on data={cfg.data.name}: pick a matching pair "
                           "(gpt_* with stdlib_text or text_file; resnet18 or mlp with cifar10, mnist or fake_images)")
     n = data_mod.train_size(cfg.data, int(cfg.model.get("block_size", 1)))

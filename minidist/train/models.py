@@ -130,25 +130,36 @@ class ImageMLP(nn.Module):
         return self.mlp(x.flatten(1))
 
 
+def _gpt(model_cfg, info) -> nn.Module:
+    return GPT(vocab_size=info.vocab_size, block_size=int(model_cfg.block_size), n_layer=int(model_cfg.n_layer),
+               n_head=int(model_cfg.n_head), n_embd=int(model_cfg.n_embd), tie_weights=bool(model_cfg.tie_weights))
+
+
+def _resnet18(model_cfg, info) -> nn.Module:
+    return resnet18_small(info.num_classes, info.channels)
+
+
+def _mlp(model_cfg, info) -> nn.Module:
+    return ImageMLP(info.channels * info.image_size ** 2, list(model_cfg.hidden), info.num_classes)
+
+
+# model.name -> (the kind of data it takes, its builder(model_cfg, data info)): one entry per model.
+MODELS = {"gpt": ("text", _gpt), "resnet18": ("image", _resnet18), "mlp": ("image", _mlp)}
+
+
 def build_model(model_cfg, info) -> nn.Module:
     """The model `model_cfg.name` names, sized for the data described by `info` (a DataInfo).
 
-    Raises ValueError when the model cannot take that data (the caller turns it into a
-    ConfigError naming the keys).
+    Raises ValueError when the model is unknown or cannot take that data (config_check turns
+    both into a ConfigError naming the keys first).
     """
     name = model_cfg.name
-    if name == "gpt":
-        if info.kind != "text":
-            raise ValueError("the GPT needs a text data set")
-        return GPT(vocab_size=info.vocab_size, block_size=int(model_cfg.block_size), n_layer=int(model_cfg.n_layer),
-                   n_head=int(model_cfg.n_head), n_embd=int(model_cfg.n_embd), tie_weights=bool(model_cfg.tie_weights))
-    if info.kind != "image":
-        raise ValueError(f"{name} classifies images")
-    if name == "resnet18":
-        return resnet18_small(info.num_classes, info.channels)
-    if name == "mlp":
-        return ImageMLP(info.channels * info.image_size ** 2, list(model_cfg.hidden), info.num_classes)
-    raise ValueError(f"unknown model {name!r}")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {list(MODELS)}")
+    kind, build = MODELS[name]
+    if info.kind != kind:
+        raise ValueError(f"{name} takes {kind} data, not {info.kind}")
+    return build(model_cfg, info)
 
 
 def gpt_flops_per_token(model: GPT) -> float:

@@ -1,5 +1,10 @@
 """The optimizer and its schedule, from the optim config group: one place for the trainer and the
-comparison (compare/replica.py), which must build them identically."""
+comparison (train/state.py builds both).
+
+The optimizer is Hydra's `_target_` (a torch.optim.Optimizer class) with the group's other keys
+as its arguments, except the schedule's and `fused`. It is handed on as (class, arguments), not
+instantiated: ZeRO builds it over its own shards. Only optimizer classes are accepted, so a
+config cannot name arbitrary code to run."""
 
 from __future__ import annotations
 
@@ -7,7 +12,10 @@ import math
 
 import torch
 
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+from minidist.train.errors import ConfigError
+
+# The optim group's keys that are not the optimizer's own arguments.
+NOT_ARGUMENTS = ("_target_", "name", "warmup_steps", "min_lr_ratio", "fused")
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -24,12 +32,21 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     """(optimizer class, keyword arguments) from the optim config group. `fused: auto` takes the
     fused kernels on CUDA, where they also skip a non-finite step without a host synchronisation
     (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
-    kwargs = {"lr": float(optim_cfg.lr), "weight_decay": float(optim_cfg.weight_decay)}
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    target = str(optim_cfg._target_)
+    try:
+        cls = get_class(target)
+    except Exception as e:  # Hydra wraps the import error
+        raise ConfigError(f"optim._target_={target!r} cannot be imported ({str(e).splitlines()[0]}): name a "
+                          "torch.optim class, e.g. torch.optim.AdamW") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"optim._target_={target!r} is not an optimizer class: name a torch.optim.Optimizer, "
+                          "e.g. torch.optim.AdamW")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v  # betas: a tuple, as torch writes them
+              for k, v in OmegaConf.to_container(optim_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
     fused = optim_cfg.fused
     if fused == "auto" and device.type == "cuda" or fused is True:
         kwargs["fused"] = True
-    if optim_cfg.name == "adamw":
-        kwargs["betas"] = tuple(float(b) for b in optim_cfg.betas)
-    else:
-        kwargs.update(momentum=float(optim_cfg.momentum), nesterov=bool(optim_cfg.nesterov))
-    return OPTIMIZERS[optim_cfg.name], kwargs
+    return cls, kwargs
