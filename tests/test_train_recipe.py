@@ -89,15 +89,21 @@ def check_sweep(sweep: Path, out: subprocess.CompletedProcess, strategies: str =
     assert out.stdout.count("summary\n") == len(strategies.split(","))  # one per job, from rank 0
 
 
-def test_every_strategy_under_torchrun_in_one_sweep(tmp_path):
+# Every strategy in `make test-all`; `make test` sweeps one of each checkpoint layout (full, sharded,
+# torch's gathered) — the mechanism is the same for every job, and each strategy trains and resumes
+# in test_train_strategies.py.
+@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow), "ddp,zero3,native_fsdp"])
+def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     """torchrun starts the ranks once; Hydra's sweep runs each strategy's job on them in turn."""
     torchrun = Path(sys.executable).parent / "torchrun"
     sweep = tmp_path / "sweep"
     out = run([str(torchrun), "--nproc_per_node", "2", "--standalone", str(RECIPE), "-m",
-               *tiny_overrides(*SWEEP), f"hydra.sweep.dir={sweep}"])
-    check_sweep(sweep, out)
-    assert out.stdout.count("Launching 7 jobs locally") + out.stderr.count("Launching 7 jobs locally") == 1
-    assert consolidate(latest_checkpoint(sweep / "6"))  # native_fsdp: a full state_dict
+               *tiny_overrides(*SWEEP[:-1], f"strategy={strategies}"), f"hydra.sweep.dir={sweep}"])
+    check_sweep(sweep, out, strategies)
+    jobs = len(strategies.split(","))
+    launching = f"Launching {jobs} jobs locally"
+    assert out.stdout.count(launching) + out.stderr.count(launching) == 1
+    assert consolidate(latest_checkpoint(sweep / str(jobs - 1)))  # native_fsdp: a full state_dict
 
 
 @pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the sweep under torchrun
