@@ -114,9 +114,10 @@ def _plain(node) -> dict:
     return OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
 
 
-def check_mesh(strategy_cfg, world_size: int) -> None:
-    """Hybrid strategies and comm_hook=hierarchical: strategy.shard_size must split the world."""
-    hybrid = check_options(strategy_cfg).hybrid or str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
+def check_mesh(strategy_cfg, spec, world_size: int) -> None:
+    """Hybrid strategies (`spec`, strategy_cfg's) and comm_hook=hierarchical: strategy.shard_size
+    must split the world."""
+    hybrid = spec.hybrid or str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
     if hybrid and strategy_cfg.get("shard_size") is not None:  # null: one host, known once launched
         mesh_dims(strategy_cfg, world_size)
 
@@ -128,7 +129,7 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if spec.single_rank and world_size != 1:
         raise ConfigError(f"strategy={spec.name} runs on one rank, but {world_size} were asked for: set "
                           "launcher.nproc=1, or use a data-parallel strategy (strategy=ddp)")
-    check_mesh(cfg.strategy, world_size)
+    check_mesh(cfg.strategy, spec, world_size)
     for key in ("max_steps", "micro_batch_size", "grad_accum", "keep_last", "log_every"):
         _positive(cfg, key)
     for key in ("eval_every", "ckpt_every", "eval_batches"):

@@ -41,7 +41,7 @@ from minidist.train.errors import ConfigError
 from minidist.train.safe_load import save_tensors, verify_checkpoint_files
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import Collective, StrategySpec
+from minidist.train.strategies.spec import ZERO3, ZERO12, StrategySpec
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
 
@@ -187,6 +187,5 @@ for _stage in (1, 2, 3):
     register(StrategySpec(f"ds_zero{_stage}", "deepspeed", DeepSpeedZero, f"DeepSpeed's ZeRO stage {_stage} "
                           "(optional: pip install -e '.[deepspeed]')", checkpoint="deepspeed", zero_stage=_stage,
                           messages="units" if _stage == 3 else "buckets",
-                          collectives=(Collective("reduce_scatter"),
-                                       Collective("all_gather", count=2 if _stage == 3 else 1)),
+                          collectives=ZERO3 if _stage == 3 else ZERO12,
                           options=("bucket_cap_mb",), fp16=False, traces_comm=False))

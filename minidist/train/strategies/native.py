@@ -19,7 +19,7 @@ import torch
 from minidist.train.errors import ConfigError
 from minidist.train.strategies.base import Strategy, mesh_dims
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import Collective, StrategySpec
+from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, Collective, StrategySpec, in_shard_groups
 
 
 class NativeDDP(Strategy):
@@ -154,19 +154,17 @@ class NativeHSDP(NativeFSDP):
 # -- the specs (spec.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "overlap",
                "comm_hook")
-FSDP_GATHERS = (Collective("reduce_scatter"), Collective("all_gather", count=2))
 
 register(StrategySpec("native_ddp", "native", NativeDDP, "torch.nn.parallel.DistributedDataParallel",
-                      collectives=(Collective("all_reduce"),), options=DDP_OPTIONS, traces_comm=False))
+                      collectives=ALL_REDUCE, options=DDP_OPTIONS, traces_comm=False))
 # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it: one broadcast
 # of the whole model per step, counted in full for every rank as minidist.comm does.
 register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataParallel + ZeroRedundancyOptimizer",
-                      zero_stage=1, collectives=(Collective("all_reduce"), Collective("broadcast")),
+                      zero_stage=1, collectives=ALL_REDUCE + (Collective("broadcast"),),
                       options=DDP_OPTIONS, traces_comm=False))
 register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
-                      zero_stage=3, messages="units", collectives=FSDP_GATHERS, options=("min_unit_params",),
+                      zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params",),
                       traces_comm=False))
 register(StrategySpec("native_hsdp", "native", NativeHSDP, "fully_shard on a 2-D DeviceMesh: FSDP2's HSDP",
                       zero_stage=3, hybrid=True, messages="units", options=("min_unit_params", "shard_size"),
-                      collectives=tuple(Collective(c.op, "shard", c.payload, c.count) for c in FSDP_GATHERS)
-                      + (Collective("all_reduce", group="replicas", payload="shard"),), traces_comm=False))
+                      collectives=in_shard_groups(ZERO3), traces_comm=False))

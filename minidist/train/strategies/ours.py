@@ -23,7 +23,7 @@ from minidist.train.errors import ConfigError
 from minidist.train.safe_load import load_tensors, save_tensors
 from minidist.train.strategies.base import Strategy, build_mesh, shard_path, state_dict_layout
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import Collective, StrategySpec
+from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
 
 
 class Single(Strategy):
@@ -140,23 +140,13 @@ DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_paramete
 ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters"),
                 3: ("min_unit_params", "broadcast_buffers", "collectives")}  # stage 3: units, not buckets
 ZERO_OPTIONS[2] = ZERO_OPTIONS[1]
-ALL_REDUCE = (Collective("all_reduce"),)
-ZERO12 = (Collective("reduce_scatter"), Collective("all_gather"))
-ZERO3 = (Collective("reduce_scatter"), Collective("all_gather", count=2))  # gathered for forward and backward
-ACROSS_REPLICAS = (Collective("all_reduce", group="replicas", payload="shard"),)  # each rank's 1/S
-
-
-def _in_shard_group(collectives):
-    return tuple(Collective(c.op, "shard", c.payload, c.count) for c in collectives) + ACROSS_REPLICAS
-
-
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
                       collectives=(), single_rank=True))
 register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucketed all_reduce overlapped with "
                       "backward", reference="native_ddp", collectives=ALL_REDUCE, options=DDP_OPTIONS))
 register(StrategySpec("ddp_hierarchical", "minidist", OursDDP, "DataParallel with the two-level all_reduce: "
                       "reduce_scatter in each shard group, all_reduce of 1/S across, all_gather within",
-                      reference="native_ddp", hybrid=True, collectives=_in_shard_group(ZERO12),
+                      reference="native_ddp", hybrid=True, collectives=in_shard_groups(ZERO12),
                       options=DDP_OPTIONS + ("collectives",)))
 for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
@@ -168,5 +158,5 @@ for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
                           "sharded within shard groups of strategy.shard_size ranks, replicated across them",
                           checkpoint="sharded", reference={2: "native_ddp", 3: "native_hsdp"}[_stage],
                           zero_stage=_stage, hybrid=True, messages="units" if _stage == 3 else "buckets",
-                          collectives=_in_shard_group(_collectives),
+                          collectives=in_shard_groups(_collectives),
                           options=ZERO_OPTIONS[_stage] + ("shard_size",)))

@@ -47,11 +47,6 @@ def register(spec: StrategySpec) -> StrategySpec:
     return spec
 
 
-def unregister(name: str) -> None:
-    """Remove a strategy (tests that register an example clean up with this)."""
-    _SPECS.pop(name, None)
-
-
 def import_module_of(cfg) -> None:
     """Import the module a strategy config names (`module:`), which registers its strategy."""
     module = cfg.get("module") if cfg is not None else None

@@ -22,7 +22,7 @@ minidist.comm counts it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 KINDS = ("minidist", "native", "deepspeed")
@@ -55,6 +55,20 @@ class Collective:
                              f"group one of {GROUPS}, payload model or shard")
 
 
+# The patterns the families share: DDP's all_reduce; ZeRO-1/2's reduce_scatter + all_gather;
+# ZeRO-3's, whose parameters are gathered twice (for forward and for backward).
+ALL_REDUCE = (Collective("all_reduce"),)
+ZERO12 = (Collective("reduce_scatter"), Collective("all_gather"))
+ZERO3 = (Collective("reduce_scatter"), Collective("all_gather", count=2))
+
+
+def in_shard_groups(collectives: tuple[Collective, ...]) -> tuple[Collective, ...]:
+    """`collectives` within each shard group, then each rank's 1/S all_reduced across the replicas:
+    the hybrid form of a pattern (HSDP, the two-level all_reduce)."""
+    return tuple(Collective(c.op, "shard", c.payload, c.count) for c in collectives) + \
+        (Collective("all_reduce", group="replicas", payload="shard"),)
+
+
 @dataclass(frozen=True)
 class StrategySpec:
     """One strategy, registered once (registry.register). `factory(cfg, ctx, compute_dtype)`
@@ -75,7 +89,6 @@ class StrategySpec:
     fp16: bool = True                  # takes torch's GradScaler (trainer.precision=fp16)
     traces_comm: bool = True           # its communication goes through minidist.comm (CommTracer sees it)
     single_rank: bool = False          # runs on exactly one rank
-    extra: dict = field(default_factory=dict, compare=False)  # a family's own facts (e.g. its stage)
 
     def __post_init__(self):
         if self.kind not in KINDS:
