@@ -247,14 +247,18 @@ class Tour:
             except RuntimeError as e:
                 waited = time.perf_counter() - start
                 # The timeout fired only if the wait lasted it and says so (not another error).
-                fired = waited >= 0.9 * timeout and "timed out" in str(e).lower()
+                # The first rank to time out closes the pair, so its peer, which waited just as
+                # long, may hear "connection closed by peer" an instant before its own timeout.
+                said = str(e).lower()
+                fired = waited >= 0.9 * timeout and ("timed out" in said or "closed by peer" in said)
                 outcome[0] = round(waited, 1) if fired else -1.0
                 why = f"failed after {waited:.1f} s with: {str(e).splitlines()[0][:120]}"
         self.step(f"pitfall: both ranks recv first -> deadlock (shown with a {timeout:g} s timeout)",
                   None, outcome if self.rank in (0, 1) else None, None,
                   "Ranks 0 and 1 each wait to receive before sending, so neither ever sends. Without a\n"
-                  "timeout this hangs forever; here each gave up after the time shown. Fix: order the\n"
-                  "calls (one sends first), or post isend/irecv and wait on both, as in step 2.")
+                  "timeout this hangs forever; here each gave up after the time shown (or saw its peer give\n"
+                  "up then). Fix: order the calls (one sends first), or post isend/irecv and wait on\n"
+                  "both, as in step 2.")
         if self.rank in (0, 1) and not outcome[0] > 0:
             self.failed.append(f"deadlock demo did not time out after {timeout:g} s (the wait {why})")
 

@@ -277,3 +277,25 @@ def test_sigterm_from_the_launcher_becomes_an_error_the_rank_can_report():
         with sigterm_raises():
             os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as soon as os.kill returns
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_rank_already_reporting_an_error_is_not_cut_short_by_sigterm():
+    """CI caught the race: the survivor's collective failed, and torchrun's SIGTERM (sent the
+    moment the killed rank died) arrived while the survivor wrote its report, so the report was
+    lost to a StoppedByLauncher raised in the middle of it. From the except on, SIGTERM waits."""
+    import os
+    import signal
+
+    from minidist.train.launch_train import finish_reporting_first, sigterm_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    reported = []
+    with sigterm_raises():
+        try:
+            raise RuntimeError("the peer closed the connection")
+        except RuntimeError as e:
+            finish_reporting_first()
+            os.kill(os.getpid(), signal.SIGTERM)  # what torchrun sends here ...
+            reported.append(str(e))               # ... does not interrupt the report
+    assert reported == ["the peer closed the connection"]
+    assert signal.getsignal(signal.SIGTERM) is before

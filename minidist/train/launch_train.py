@@ -109,6 +109,17 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, previous)
 
 
+def finish_reporting_first() -> None:
+    """A rank already stopping on an error ignores the launcher's SIGTERM from here on: torchrun
+    stops the survivors the moment a rank dies, and a StoppedByLauncher raised in the middle of
+    writing the first error's report would lose the one line that says what happened."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # sigterm_raises restores the previous handler
+
+
 def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     """One rank's whole run: init, train, close. Returns the run's summary."""
     with sigterm_raises():
@@ -136,6 +147,7 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
             finally:
                 trainer.close()
     except Exception as e:  # noqa: BLE001 - one line on the console, the traceback in the rank's log
+        finish_reporting_first()
         line = report_failure(e, ctx.rank, trainer.step if trainer is not None else None, path)
         if ctx.rank == 0 or not isinstance(e, CheckpointWriteFailed):  # that one, every rank alike: rank 0 says it
             print(line, file=sys.stderr, flush=True)
