@@ -42,7 +42,7 @@ from torch import nn
 from minidist import comm
 from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
-from minidist.parallel.bucketed_backward import BucketedBackward
+from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
 from minidist.parallel.join import FORWARD, final_sync, global_rank
@@ -82,7 +82,7 @@ def _describe(entry) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} shape {list(entry[1])} {entry[2]}"
 
 
-class DataParallel(BucketedBackward, nn.Module):
+class DataParallel(GradientSyncSwitch, nn.Module):
     """Data-parallel wrapper: replicas stay identical because every step averages gradients.
 
     Args:
@@ -153,49 +153,65 @@ class DataParallel(BucketedBackward, nn.Module):
         self._params = [p for _, p in named]
         self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
 
-        self._build_buckets(list(reversed(range(len(self._params)))))
+        self.find_unused_parameters = find_unused_parameters
         # Record the order gradients arrive in during the first synced backward, then rebuild.
-        self._init_bucketed_backward(overlap=overlap, find_unused_parameters=find_unused_parameters,
-                                     record_ready_order=True)
+        self._backward = BucketedBackward(
+            self, self._names, self._params, self._allocate_buckets(list(reversed(range(len(self._params))))),
+            world_size=self.world_size, process_group=process_group, overlap=overlap,
+            find_unused_parameters=find_unused_parameters, record_ready_order=True, fill_when_complete=True)
+        self._adopt_gradients()
 
     # ----------------------------------------------------------------------- buckets
 
-    def _build_buckets(self, order: list[int]) -> None:
-        plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
+    def _plan(self, order: list[int]) -> list[list[int]]:
+        return plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
                             self._closing)
-        self._buckets = [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
-                         for k, ids in enumerate(plan)]
-        self._where = {}  # parameter index -> (bucket, position in bucket)
-        for bucket in self._buckets:
-            for k, i in enumerate(bucket.param_ids):
-                self._where[i] = (bucket, k)
-        if self.gradient_as_bucket_view:
-            # Keep gradients that exist, but let them live in the (new) buckets from now on.
-            with torch.no_grad():
-                for i, p in enumerate(self._params):
-                    bucket, k = self._where[i]
-                    if p.grad is not None:
-                        bucket.views[k].copy_(p.grad)
-                        p.grad = bucket.views[k]
+
+    def _allocate_buckets(self, order: list[int]) -> list[Bucket]:
+        return [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
+                for k, ids in enumerate(self._plan(order))]
+
+    def _adopt_gradients(self) -> None:
+        """With gradient_as_bucket_view: keep gradients that exist, but let them live in the
+        (new) buckets from now on."""
+        if not self.gradient_as_bucket_view:
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                bucket, k = self._backward.where[i]
+                if p.grad is not None:
+                    bucket.views[k].copy_(p.grad)
+                    p.grad = bucket.views[k]
+
+    @property
+    def _buckets(self) -> list[Bucket]:
+        return self._backward.buckets
 
     @property
     def bucket_plan(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         return [[self._names[i] for i in b.param_ids] for b in self._buckets]
 
-    def _on_first_backward_done(self) -> None:
+    @property
+    def last_wait_s(self) -> float:
+        """How long the last backward waited for communication after its last gradient (exposed time)."""
+        return self._backward.last_wait_s
+
+    def _on_first_backward_done(self, ready_order: list[int]) -> None:
         # Each rank saw its own ready order; rank 0's wins so all ranks build the same buckets.
-        order = torch.tensor(self._ready_order, dtype=torch.int64)
+        order = torch.tensor(ready_order, dtype=torch.int64)
         if self.world_size > 1:
             order = order.to(self._buckets[0].buffer.device) if self._buckets else order
             comm.broadcast(order, src=self.source_rank, group=self.process_group)
         order = order.tolist()
-        plan = plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
-                            self._closing)
-        if plan != [b.param_ids for b in self._buckets]:
-            self._build_buckets(order)
+        if self._plan(order) != [b.param_ids for b in self._buckets]:
+            self._backward.set_buckets(self._allocate_buckets(order))
+            self._adopt_gradients()
 
-    # ----------------------------------------------------------------------- backward
+    # ----------------------------------------------------------------------- backward (a BucketReducer)
+
+    def _before_backward(self) -> None:
+        pass  # nothing to prepare: every bucket's buffer lives as long as the model
 
     # Fill a bucket once all its gradients are in. Copy and scale by 1/n (as native DDP, which
     # keeps results bitwise comparable with it) either per parameter in one pass (torch.mul with
@@ -203,7 +219,6 @@ class DataParallel(BucketedBackward, nn.Module):
     # vectorised ops (_foreach_copy_, then mul_ of the buffer: a second pass over the bytes).
     # A second pass over B bytes costs about B / 10 GB/s, a dispatch ~5 us: so per parameter
     # when they average over 64 KiB (few large tensors), vectorised when they are many and small.
-    _fill_when_complete = True
     _PER_PARAMETER_FROM_BYTES = 64 * 1024
 
     def _fill_bucket(self, bucket: Bucket) -> None:

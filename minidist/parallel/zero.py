@@ -358,7 +358,7 @@ class ShardBucket(Bucket):
     reduced: torch.Tensor | None = None
 
 
-class ZeroStage12(BucketedBackward, ShardedDataParallel):
+class ZeroStage12(ShardedDataParallel):
     """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
@@ -379,7 +379,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                            max_inflight, broadcast_buffers, collectives, mesh)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
-        self._shards, self._buckets, self._where = [], [], {}
+        self._shards, buckets = [], []
         for k, ids in enumerate(plan):
             shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
                               rank=self.rank, world_size=self.world_size, group=self.process_group,
@@ -388,11 +388,17 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
                                  world_size=self.world_size)
             bucket.shard = shard
             self._shards.append(shard)
-            self._buckets.append(bucket)
-            for slot, i in enumerate(ids):
-                self._where[i] = (bucket, slot)
+            buckets.append(bucket)
             if stage == 1:
                 self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
+        self.find_unused_parameters = find_unused_parameters
+        # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
+        # Without find_unused_parameters, a parameter without gradient raises when backward ends
+        # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
+        self._backward = BucketedBackward(self, self._names, self._params, buckets, world_size=self.world_size,
+                                          process_group=self.process_group, overlap=(stage == 2 and overlap),
+                                          find_unused_parameters=find_unused_parameters,
+                                          flag_unused_anywhere=False)
         self._stash: dict[int, torch.Tensor] = {}
         # Updated parameters are gathered asynchronously after optimizer.step(); a module's
         # forward waits only for the buckets holding its own parameters (see _after_optimizer_step).
@@ -401,10 +407,6 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
         # Stage 2's full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
         self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
         self._make_optimizer(optimizer_factory)
-        # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
-        # Without find_unused_parameters, a parameter without gradient raises when backward ends
-        # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
-        self._init_bucketed_backward(overlap=(stage == 2 and overlap), find_unused_parameters=find_unused_parameters)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
@@ -418,7 +420,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def _watch_parameter_use(self) -> None:
         """A pre-forward hook on every module that owns parameters: wait for the gathers of its buckets."""
-        bucket_of = {id(p): self._where[i][0].index for i, p in enumerate(self._params)}
+        bucket_of = {id(p): self._backward.where[i][0].index for i, p in enumerate(self._params)}
         for module in self.module.modules():
             ks = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
             if ks:
@@ -448,7 +450,11 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             self._pool.put(bucket.buffer)
             bucket.buffer, bucket.views = None, []
 
-    # -- BucketedBackward hooks
+    @property
+    def _buckets(self) -> list[ShardBucket]:
+        return self._backward.buckets
+
+    # -- what the BucketedBackward does with a bucket (a BucketReducer)
     def _before_backward(self) -> None:
         if self.stage == 1:
             # The reduced gradient of stage 1 is a view into the bucket, which this backward
@@ -482,7 +488,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
     def _limit_inflight(self) -> None:
         # Before taking another full-size buffer, let the oldest launched reductions finish.
         while True:
-            inflight = [b for b in self._buckets[:self._next_bucket] if b.buffer is not None]
+            inflight = [b for b in self._backward.launched_buckets() if b.buffer is not None]
             if len(inflight) < self.max_inflight:
                 return
             inflight[0].handle.wait()
@@ -490,13 +496,10 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
 
     def _release_completed(self) -> None:
         # Stage 2: a full-size bucket is dropped as soon as its reduce_scatter is done.
-        for bucket in self._buckets[:self._next_bucket]:
+        for bucket in self._backward.launched_buckets():
             if bucket.buffer is not None and bucket.handle is not None and bucket.handle.is_completed():
                 bucket.handle.wait()
                 self._release(bucket)
-
-    def _used_anywhere(self) -> None:
-        return None  # _after_backward checks this rank's flags itself (_check_used)
 
     def _after_backward(self, used_anywhere) -> None:
         for k, (bucket, shard) in enumerate(zip(self._buckets, self._shards)):
@@ -511,7 +514,7 @@ class ZeroStage12(BucketedBackward, ShardedDataParallel):
             if self.stage == 2:
                 self._release(bucket)
         self._grad_placeholders.place()
-        self._check_used(self._used)
+        self._check_used(self._backward.used)  # this rank's flags (flag_unused_anywhere=False)
 
     # -- after the optimizer step
     def _after_optimizer_step(self) -> None:
