@@ -17,8 +17,10 @@ CASES = [
     (["trainer.precision=fp16", "strategy=ds_zero2"], 2,
      r"trainer.precision=fp16 with strategy=ds_zero2: .* use trainer.precision=bf16"),
     (["trainer.precision=fp32x"], 2, r"trainer.precision='fp32x'"),
-    (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' is not an optimizer class"),
+    (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' is not a subclass of torch.optim.optimizer.Optimizer"),
     (["optim._target_=torch.optim.NoSuch"], 2, r"optim._target_='torch.optim.NoSuch' cannot be imported"),
+    (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' is not a subclass of "
+                                            r"minidist.train.data.DataSource"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
     (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),

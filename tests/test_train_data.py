@@ -4,14 +4,18 @@ files written here in the real on-disk formats), and every rank gets its own dis
 import os
 import pickle
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from minidist.train.data import ShardedBatchSampler, build_datasets, collate, stdlib_files, train_size
+from minidist.train.data import (DataInfo, DataSource, ShardedBatchSampler, TokenWindows, build_datasets, collate,
+                                 data_source, stdlib_files, train_size)
 from minidist.train.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def write_cifar10(root, n_train=50, n_test=20):
@@ -51,8 +55,9 @@ def cifar_without_md5(monkeypatch):
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
 
 
-def data_cfg(**kw):
-    return OmegaConf.create(kw)
+def data_cfg(name, **overrides):
+    """configs/data/NAME.yaml (its _target_ and defaults), with `overrides`."""
+    return OmegaConf.merge(OmegaConf.load(CONFIGS / "data" / f"{name}.yaml"), overrides)
 
 
 def all_sets(tmp_path):
@@ -65,11 +70,11 @@ def all_sets(tmp_path):
     n_cifar = write_cifar10(tmp_path / "cifar")
     n_mnist = write_mnist(tmp_path / "mnist")
     return [
-        ("stdlib_text", data_cfg(name="stdlib_text", max_bytes=20000, val_fraction=0.1), None),
-        ("text_file", data_cfg(name="text_file", path=str(corpus), max_bytes=None, val_fraction=0.1), None),
-        ("cifar10", data_cfg(name="cifar10", root=str(tmp_path / "cifar"), download=False), n_cifar),
-        ("mnist", data_cfg(name="mnist", root=str(tmp_path / "mnist"), download=False), n_mnist),
-        ("fake_images", data_cfg(name="fake_images", train_size=30, val_size=8, image_size=16, num_classes=4), 30),
+        ("stdlib_text", data_cfg("stdlib_text", max_bytes=20000, val_fraction=0.1), None),
+        ("text_file", data_cfg("text_file", path=str(corpus), max_bytes=None, val_fraction=0.1), None),
+        ("cifar10", data_cfg("cifar10", root=str(tmp_path / "cifar"), download=False), n_cifar),
+        ("mnist", data_cfg("mnist", root=str(tmp_path / "mnist"), download=False), n_mnist),
+        ("fake_images", data_cfg("fake_images", train_size=30, val_size=8, image_size=16, num_classes=4), 30),
     ]
 
 
@@ -105,7 +110,7 @@ def test_stdlib_text_is_the_standard_library_in_sorted_order():
     files = stdlib_files()
     assert files == sorted(files) and len(files) > 100
     assert not any("site-packages" in f.parts for f in files)
-    train, val, _ = build_datasets(data_cfg(name="stdlib_text", max_bytes=50000, val_fraction=0.1), 64)
+    train, val, _ = build_datasets(data_cfg("stdlib_text", max_bytes=50000, val_fraction=0.1), 64)
     assert bytes(train.tokens[:200].tolist()) == files[0].read_bytes()[:200]
     assert len(train.tokens) + len(val.tokens) == 50000
 
@@ -113,7 +118,7 @@ def test_stdlib_text_is_the_standard_library_in_sorted_order():
 def test_text_file_skips_hidden_files(tmp_path):
     (tmp_path / "a.txt").write_text("abc" * 50)
     (tmp_path / ".secret").write_text("zzz" * 50)
-    train, _, _ = build_datasets(data_cfg(name="text_file", path=str(tmp_path), max_bytes=None, val_fraction=0.1), 8)
+    train, _, _ = build_datasets(data_cfg("text_file", path=str(tmp_path), max_bytes=None, val_fraction=0.1), 8)
     assert b"z" not in bytes(train.tokens.tolist())
 
 
@@ -141,7 +146,7 @@ def test_sampler_refuses_a_position_from_other_settings():
 def test_missing_image_files_say_where_they_go(tmp_path):
     for name in ("cifar10", "mnist"):
         with pytest.raises(ConfigError, match=r"data.root=.*download=true"):
-            build_datasets(data_cfg(name=name, root=str(tmp_path / "nothing"), download=False), 16)
+            build_datasets(data_cfg(name, root=str(tmp_path / "nothing"), download=False), 16)
 
 
 def test_too_few_samples_for_the_ranks():
@@ -162,3 +167,45 @@ def test_every_rank_gets_the_same_number_of_steps(n, world, micro):
     for s in samplers:  # across an epoch boundary too
         batches = list(islice(iter(s), 2 * per_epoch + 1))
         assert all(len(b) == micro for b in batches)
+
+
+class Counting(DataSource):
+    """A data set of our own, as a user would write one: the stream 0, 1, 2, ... mod 256."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def info(self) -> DataInfo:
+        return DataInfo("text")
+
+    def train_size(self, block_size: int) -> int:
+        return (self.length - 1) // block_size
+
+    def build(self, block_size: int):
+        tokens = torch.arange(self.length) % 256
+        return TokenWindows(tokens, block_size), TokenWindows(tokens[:4 * block_size + 1], block_size), self.info()
+
+
+def test_a_data_set_of_your_own_is_the_data_groups_target():
+    cfg = OmegaConf.create({"_target_": f"{__name__}.Counting", "name": "counting", "length": 1000})
+    train, val, info = build_datasets(cfg, block_size=10)
+    assert info.kind == "text" and len(train) == train_size(cfg, 10) == 99 and len(val) == 4
+    assert torch.equal(train[3][0], torch.arange(30, 40))
+
+
+@pytest.mark.parametrize("target,says", [
+    ("os.system", "is not a subclass of minidist.train.data.DataSource: name one, e.g. minidist.train.data.StdlibText"),
+    ("minidist.train.data.NoSuchSet", "cannot be imported"),
+    ("torch.optim.AdamW", "is not a subclass of minidist.train.data.DataSource"),
+])
+def test_the_data_target_must_be_a_data_source(target, says):
+    with pytest.raises(ConfigError, match=says):
+        data_source(OmegaConf.create({"_target_": target, "name": "x"}))
+
+
+def test_a_key_the_data_set_does_not_take_is_named():
+    with pytest.raises(ConfigError, match=r"data=stdlib_text: .*'max_byte'.*StdlibText"):
+        data_source(data_cfg("stdlib_text", max_byte=10))
+    with pytest.raises(ConfigError, match=r"missing a required argument: 'path'"):
+        data_source(OmegaConf.create({"_target_": "minidist.train.data.TextFile", "name": "t", "max_bytes": None,
+                                      "val_fraction": 0.1}))

@@ -158,15 +158,13 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if t.precision == "fp16" and not spec.fp16:  # the others take torch's GradScaler, on CPU as on CUDA
         raise ConfigError(f"trainer.precision=fp16 with strategy={spec.name}: its fp16 loss scaling is its own "
                           "(DeepSpeed's config), which this adapter does not wire; use trainer.precision=bf16")
-    if cfg.data.name not in data_mod.TEXT_SETS + data_mod.IMAGE_SETS:
-        raise ConfigError(f"data.name={cfg.data.name!r} is unknown: choose one of "
-                          f"{list(data_mod.TEXT_SETS + data_mod.IMAGE_SETS)}")
+    data = data_mod.data_source(cfg.data)  # a DataSource class it can import, with arguments it takes
     if cfg.model.name not in MODELS:
         raise ConfigError(f"model.name={cfg.model.name!r} is unknown: choose one of {list(MODELS)}")
-    if MODELS[cfg.model.name][0] != data_mod.data_info(cfg.data).kind:  # the kind of data it takes
+    if MODELS[cfg.model.name][0] != data.info().kind:  # the kind of data it takes
         raise ConfigError(f"model={cfg.model.name} cannot train on data={cfg.data.name}: pick a matching pair "
                           "(gpt_* with stdlib_text or text_file; resnet18 or mlp with cifar10, mnist or fake_images)")
-    n = data_mod.train_size(cfg.data, int(cfg.model.get("block_size", 1)))
+    n = data.train_size(int(cfg.model.get("block_size", 1)))
     if n < world_size * t.micro_batch_size:
         raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one micro-batch on each of "
                           f"{world_size} ranks (trainer.micro_batch_size={t.micro_batch_size}): use more data, a "

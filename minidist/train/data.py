@@ -1,6 +1,6 @@
 """Data sets for the trainer, and the sampler that gives each rank its own shard.
 
-    train_set, val_set, info = build_datasets(cfg.data, block_size=128)
+    train_set, val_set, info = build_datasets(cfg.data, block_size=128)   # cfg.data._target_: a DataSource
     sampler = ShardedBatchSampler(len(train_set), rank, world, micro_batch_size=8, seed=0)
     for indices in sampler: ...               # this rank's next micro-batch
     sampler.state_dict() / load_state_dict()  # the data position, part of every checkpoint
@@ -16,6 +16,7 @@ the real on-disk formats are read by the real loading code.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -25,9 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from minidist.train.errors import ConfigError
-
-TEXT_SETS = ("stdlib_text", "text_file")
-IMAGE_SETS = ("cifar10", "mnist", "fake_images")
+from minidist.train.targets import class_named
 
 
 @dataclass(frozen=True)
@@ -39,6 +38,25 @@ class DataInfo:
     channels: int = 3      # images
     image_size: int = 32
     num_classes: int = 10
+
+
+class DataSource:
+    """A data set the trainer can train on. The data config group's `_target_` names the class
+    and its other keys (but `name`, the run's label for the set) are the constructor's
+    arguments, so a YAML in configs/data/ is the one place a set's defaults live. Subclass it
+    to train on your own data: `python recipes/train.py data._target_=my_pkg.MyData ...`."""
+
+    def info(self) -> DataInfo:
+        """What `build` would report, without loading anything (the config check's view)."""
+        raise NotImplementedError
+
+    def train_size(self, block_size: int) -> int:
+        """Number of training samples, cheaply (no data loaded): for validating the config."""
+        raise NotImplementedError
+
+    def build(self, block_size: int) -> tuple[Dataset, Dataset, DataInfo]:
+        """(training set, validation set, info); each item is an (input, target) pair."""
+        raise NotImplementedError
 
 
 # --------------------------------------------------------------------------- text
@@ -89,106 +107,172 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
 
-def text_sources(data_cfg) -> list[Path]:
-    if data_cfg.name == "stdlib_text":
+class TextBytes(DataSource):
+    """Files as one byte stream (a token is a byte); the last val_fraction of it is validation."""
+
+    def __init__(self, max_bytes: int | None, val_fraction: float):
+        self.max_bytes, self.val_fraction = max_bytes, float(val_fraction)
+
+    def files(self) -> list[Path]:
+        raise NotImplementedError
+
+    def info(self) -> DataInfo:
+        return DataInfo("text")
+
+    def train_size(self, block_size: int) -> int:
+        total = sum(f.stat().st_size + 1 for f in self.files())  # from file sizes alone
+        total = min(total, self.max_bytes) if self.max_bytes else total
+        return int(total * (1.0 - self.val_fraction) - 1) // block_size
+
+    def build(self, block_size: int):
+        tokens = read_bytes(self.files(), self.max_bytes)
+        # A fixed split: the last val_fraction of the stream is validation, never trained on.
+        cut = int(len(tokens) * (1.0 - self.val_fraction))
+        return TokenWindows(tokens[:cut], block_size), TokenWindows(tokens[cut:], block_size), self.info()
+
+
+class StdlibText(TextBytes):
+    """The running interpreter's standard library: real text on every machine, no download."""
+
+    def files(self) -> list[Path]:
         return stdlib_files()
-    return text_files(data_cfg.path)
 
 
-def text_size_bytes(data_cfg) -> int:
-    """Bytes the text set will hold, from file sizes alone (cheap: used to validate the config)."""
-    total = sum(f.stat().st_size + 1 for f in text_sources(data_cfg))
-    return min(total, data_cfg.max_bytes) if data_cfg.get("max_bytes") else total
+class TextFile(TextBytes):
+    """Any text file, or every file under a folder (sorted, hidden ones skipped)."""
 
+    def __init__(self, path: str, max_bytes: int | None, val_fraction: float):
+        super().__init__(max_bytes, val_fraction)
+        self.path = path
 
-def build_text(data_cfg, block_size: int):
-    tokens = read_bytes(text_sources(data_cfg), data_cfg.get("max_bytes"))
-    # A fixed split: the last val_fraction of the stream is validation, never trained on.
-    cut = int(len(tokens) * (1.0 - float(data_cfg.val_fraction)))
-    return TokenWindows(tokens[:cut], block_size), TokenWindows(tokens[cut:], block_size), DataInfo("text")
+    def files(self) -> list[Path]:
+        return text_files(self.path)
 
 
 # --------------------------------------------------------------------------- images
 
-_NORMALISE = {"cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-              "mnist": ((0.1307,), (0.3081,)), "fake_images": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
 
-# Where torchvision looks for each set's files under data.root (what must be there offline).
-EXPECTED_FILES = {
-    "cifar10": ["cifar-10-batches-py/data_batch_1", "cifar-10-batches-py/test_batch",
-                "cifar-10-batches-py/batches.meta"],
-    "mnist": ["MNIST/raw/train-images-idx3-ubyte", "MNIST/raw/train-labels-idx1-ubyte",
-              "MNIST/raw/t10k-images-idx3-ubyte", "MNIST/raw/t10k-labels-idx1-ubyte"],
-}
-TRAIN_SIZES = {"cifar10": 50_000, "mnist": 60_000}
-
-
-def check_image_files(data_cfg) -> None:
-    """Offline and missing: say where torchvision expects the files."""
-    if data_cfg.name not in EXPECTED_FILES or data_cfg.get("download"):
-        return
-    root = Path(data_cfg.root).expanduser()
-    missing = [f for f in EXPECTED_FILES[data_cfg.name] if not (root / f).is_file()]
-    if missing:
-        raise ConfigError(f"data.root={str(root)!r} has no {data_cfg.name} files (missing {missing[0]}): put the "
-                          f"data set there in torchvision's layout, or set data.download=true where there is internet")
-
-
-def build_images(data_cfg):
-    import torchvision
+def _normalised(mean: tuple, std: tuple):
     from torchvision import transforms as T
 
-    name = data_cfg.name
-    mean, std = _NORMALISE[name]
-    tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
-    if name == "fake_images":
-        size = int(data_cfg.image_size)
+    return T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+
+
+class FakeImages(DataSource):
+    """torchvision.datasets.FakeData: random images with random labels, for smoke runs."""
+
+    def __init__(self, train_size: int, val_size: int, image_size: int, num_classes: int):
+        self.size, self.val_size = int(train_size), int(val_size)
+        self.image_size, self.num_classes = int(image_size), int(num_classes)
+
+    def info(self) -> DataInfo:
+        return DataInfo("image", channels=3, image_size=self.image_size, num_classes=self.num_classes)
+
+    def train_size(self, block_size: int) -> int:
+        return self.size
+
+    def build(self, block_size: int):
+        import torchvision
+
+        tf = _normalised((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
         make = lambda n, offset: torchvision.datasets.FakeData(  # noqa: E731
-            size=n, image_size=(3, size, size), num_classes=int(data_cfg.num_classes), transform=tf,
-            random_offset=offset)
-        return (make(int(data_cfg.train_size), 0), make(int(data_cfg.val_size), 10_000_000),
-                DataInfo("image", channels=3, image_size=size, num_classes=int(data_cfg.num_classes)))
-    check_image_files(data_cfg)
-    cls = {"cifar10": torchvision.datasets.CIFAR10, "mnist": torchvision.datasets.MNIST}[name]
-    root = os.path.expanduser(data_cfg.root)
-    train = cls(root, train=True, download=bool(data_cfg.download), transform=tf)
-    val = cls(root, train=False, download=False, transform=tf)
-    info = DataInfo("image", channels=1 if name == "mnist" else 3, image_size=28 if name == "mnist" else 32,
-                    num_classes=10)
-    return train, val, info
+            size=n, image_size=(3, self.image_size, self.image_size), num_classes=self.num_classes,
+            transform=tf, random_offset=offset)
+        return make(self.size, 0), make(self.val_size, 10_000_000), self.info()
+
+
+class TorchvisionImages(DataSource):
+    """A torchvision image set read from data.root by torchvision's own class, so the real
+    on-disk format is read by the real loading code. A subclass states the set's facts."""
+
+    name: str                   # the config group's name, for messages
+    dataset: str                # the torchvision.datasets class
+    expected_files: list[str]   # where torchvision looks for the files under root (what must be there offline)
+    size: int                   # training samples
+    normalise: tuple            # (mean, std) per channel
+    shape: DataInfo
+
+    def __init__(self, root: str, download: bool):
+        self.root, self.download = os.path.expanduser(root), bool(download)
+
+    def check_files(self) -> None:
+        """Offline and missing: say where torchvision expects the files."""
+        if self.download:
+            return
+        missing = [f for f in self.expected_files if not (Path(self.root) / f).is_file()]
+        if missing:
+            raise ConfigError(f"data.root={self.root!r} has no {self.name} files (missing {missing[0]}): put the data "
+                              "set there in torchvision's layout, or set data.download=true where there is internet")
+
+    def info(self) -> DataInfo:
+        return self.shape
+
+    def train_size(self, block_size: int) -> int:
+        self.check_files()
+        return self.size
+
+    def build(self, block_size: int):
+        import torchvision
+
+        self.check_files()
+        cls, tf = getattr(torchvision.datasets, self.dataset), _normalised(*self.normalise)
+        train = cls(self.root, train=True, download=self.download, transform=tf)
+        return train, cls(self.root, train=False, download=False, transform=tf), self.info()
+
+
+class CIFAR10(TorchvisionImages):
+    """CIFAR-10 (files in ROOT/cifar-10-batches-py/)."""
+
+    name, dataset, size = "cifar10", "CIFAR10", 50_000
+    expected_files = ["cifar-10-batches-py/data_batch_1", "cifar-10-batches-py/test_batch",
+                      "cifar-10-batches-py/batches.meta"]
+    normalise = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+    shape = DataInfo("image", channels=3, image_size=32, num_classes=10)
+
+
+class MNIST(TorchvisionImages):
+    """MNIST (files in ROOT/MNIST/raw/)."""
+
+    name, dataset, size = "mnist", "MNIST", 60_000
+    expected_files = ["MNIST/raw/train-images-idx3-ubyte", "MNIST/raw/train-labels-idx1-ubyte",
+                      "MNIST/raw/t10k-images-idx3-ubyte", "MNIST/raw/t10k-labels-idx1-ubyte"]
+    normalise = ((0.1307,), (0.3081,))
+    shape = DataInfo("image", channels=1, image_size=28, num_classes=10)
 
 
 # --------------------------------------------------------------------------- entry points
 
+NOT_ARGUMENTS = ("_target_", "name")  # name: the run's label for the set (logs, reports)
+
+
+def data_source(data_cfg) -> DataSource:
+    """The DataSource the data group's `_target_` names, built with the group's other keys.
+    Only DataSource classes are accepted, so a config cannot name arbitrary code to run."""
+    from omegaconf import OmegaConf
+
+    cls = class_named(str(data_cfg.get("_target_")), DataSource, "data._target_", "minidist.train.data.StdlibText")
+    kwargs = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"data={data_cfg.get('name')}: {e} for {cls.__name__} (the data group's keys but "
+                          f"{' and '.join(NOT_ARGUMENTS)} are its arguments)") from None
+    return cls(**kwargs)
+
 
 def build_datasets(data_cfg, block_size: int):
-    """(train, validation, DataInfo) for `data_cfg.name`."""
-    if data_cfg.name in TEXT_SETS:
-        return build_text(data_cfg, block_size)
-    if data_cfg.name in IMAGE_SETS:
-        return build_images(data_cfg)
-    raise ConfigError(f"data={data_cfg.name!r} is not a data set; choose one of {list(TEXT_SETS + IMAGE_SETS)}")
+    """(train, validation, DataInfo) for the data group `data_cfg`."""
+    return data_source(data_cfg).build(block_size)
 
 
 def train_size(data_cfg, block_size: int) -> int:
     """Number of training samples, cheaply (no data loaded): for validating the config."""
-    if data_cfg.name in TEXT_SETS:
-        return int(text_size_bytes(data_cfg) * (1.0 - float(data_cfg.val_fraction)) - 1) // block_size
-    if data_cfg.name == "fake_images":
-        return int(data_cfg.train_size)
-    check_image_files(data_cfg)
-    return TRAIN_SIZES[data_cfg.name]
+    return data_source(data_cfg).train_size(block_size)
 
 
 def data_info(data_cfg) -> DataInfo:
     """What build_datasets would report, without loading anything."""
-    if data_cfg.name in TEXT_SETS:
-        return DataInfo("text")
-    if data_cfg.name == "mnist":
-        return DataInfo("image", channels=1, image_size=28)
-    if data_cfg.name == "fake_images":
-        return DataInfo("image", image_size=int(data_cfg.image_size), num_classes=int(data_cfg.num_classes))
-    return DataInfo("image")
+    return data_source(data_cfg).info()
 
 
 # --------------------------------------------------------------------------- sampling

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from minidist.train.errors import ConfigError
+from minidist.train.targets import class_named
 
 # The optim group's keys that are not the optimizer's own arguments.
 NOT_ARGUMENTS = ("_target_", "name", "warmup_steps", "min_lr_ratio", "fused")
@@ -32,18 +32,9 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     """(optimizer class, keyword arguments) from the optim config group. `fused: auto` takes the
     fused kernels on CUDA, where they also skip a non-finite step without a host synchronisation
     (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
-    from hydra.utils import get_class
     from omegaconf import OmegaConf
 
-    target = str(optim_cfg._target_)
-    try:
-        cls = get_class(target)
-    except Exception as e:  # Hydra wraps the import error
-        raise ConfigError(f"optim._target_={target!r} cannot be imported ({str(e).splitlines()[0]}): name a "
-                          "torch.optim class, e.g. torch.optim.AdamW") from None
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"optim._target_={target!r} is not an optimizer class: name a torch.optim.Optimizer, "
-                          "e.g. torch.optim.AdamW")
+    cls = class_named(str(optim_cfg._target_), torch.optim.Optimizer, "optim._target_", "torch.optim.AdamW")
     kwargs = {k: tuple(v) if isinstance(v, list) else v  # betas: a tuple, as torch writes them
               for k, v in OmegaConf.to_container(optim_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
     fused = optim_cfg.fused
