@@ -305,7 +305,7 @@ def test_stage3_keeps_few_units_alive(ranks):
 def bad_sharded_arguments():
     errors = []
     for kwargs in ({"stage": 4}, {"stage": 2, "bucket_cap_mb": -1}, {"stage": 1, "min_unit_params": 5},
-                   {"stage": 3, "bucket_cap_mb": 4.0}):
+                   {"stage": 3, "bucket_cap_mb": 4.0}, {"stage": 1, "overlap": True}):
         try:
             minidist.ShardedDataParallel(build("mlp"), zero_cases.OPTIMIZERS["sgd"], **kwargs)
         except (ValueError, TypeError) as e:
@@ -323,7 +323,8 @@ def test_bad_arguments_are_explained(ranks):
     assert "bucket_cap_mb must be positive" in errors[1]
     assert "min_unit_params" in errors[2] and "Use stage=3" in errors[2]
     assert "stage=3) does not take bucket_cap_mb=4.0" in errors[3]  # once silently ignored
-    assert "optimizer_factory must be callable" in errors[4]
+    assert "stage=1) does not take overlap=True" in errors[4] and "Use stage=2" in errors[4]  # once too
+    assert "optimizer_factory must be callable" in errors[5]
 
 
 def pool_size_with_max_inflight(stage: int, max_inflight: int):

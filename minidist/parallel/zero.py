@@ -69,8 +69,11 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             `functools.partial(torch.optim.AdamW, lr=3e-4)`. Any element-wise optimizer works.
         stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
         bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size);
-            stage 3 accepts and ignores it (its units replace buckets).
-        overlap: stage 2: reduce_scatter buckets during backward as they fill.
+            stage 3 refuses it (its units replace buckets).
+        overlap: communicate during backward (None: the stage's way). Stage 2 reduce_scatters
+            buckets as they fill, stage 3 prefetches the next unit's parameters; False does each
+            after the computation that needs it (to measure what overlap buys). Stage 1 reduces
+            after backward and refuses overlap=True.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
         collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's),
@@ -362,7 +365,7 @@ class ZeroStage12(ShardedDataParallel):
     """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
-                 bucket_cap_mb: float = 25.0, overlap: bool = True, process_group=None,
+                 bucket_cap_mb: float = 25.0, overlap: bool | None = None, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False, **unused):
@@ -375,6 +378,10 @@ class ZeroStage12(ShardedDataParallel):
                                 f"unknown argument(s); see help(ShardedDataParallel)."))
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if stage == 1 and overlap:
+            raise ValueError("ShardedDataParallel(stage=1) does not take overlap=True: stage 1 keeps full-size "
+                             "gradients and reduce_scatters them after backward. Use stage=2 to reduce during "
+                             "backward.")
         self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
                            max_inflight, broadcast_buffers, collectives, mesh)
         cap = int(bucket_cap_mb * MiB)
@@ -396,7 +403,7 @@ class ZeroStage12(ShardedDataParallel):
         # Without find_unused_parameters, a parameter without gradient raises when backward ends
         # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
         self._backward = BucketedBackward(self, self._names, self._params, buckets, world_size=self.world_size,
-                                          process_group=self.process_group, overlap=(stage == 2 and overlap),
+                                          process_group=self.process_group, overlap=(stage == 2 and overlap is not False),
                                           find_unused_parameters=find_unused_parameters,
                                           flag_unused_anywhere=False)
         self._stash: dict[int, torch.Tensor] = {}

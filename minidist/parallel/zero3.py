@@ -92,7 +92,7 @@ class ZeroStage3(ShardedDataParallel):
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
-                 overlap: bool = True, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
+                 overlap: bool | None = None, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False):
         nn.Module.__init__(self)
         if bucket_cap_mb is not None:
@@ -110,7 +110,7 @@ class ZeroStage3(ShardedDataParallel):
                            max_inflight, broadcast_buffers, collectives, mesh)
         self.find_unused_parameters = False
         self._got_grad = [False] * len(self._params)  # in this backward
-        self.prefetch = prefetch and overlap
+        self.prefetch = prefetch and overlap is not False
         self._inflight: list[_Unit] = []
         index = {id(p): i for i, p in enumerate(self._params)}
         self._units: list[_Unit] = []
