@@ -225,7 +225,7 @@ GPU_TRAINER_CASES = {  # the trainer on nccl, world size 1: the CUDA paths of ea
     "ddp_fp16_hook": ("ddp", ["strategy.comm_hook=fp16"]),
     "ddp_bf16_hook": ("ddp", ["strategy.comm_hook=bf16"]),
     "ddp_powersgd": ("ddp", ["strategy.comm_hook=powersgd"]),
-    "ddp_hierarchical": ("ddp", ["strategy.comm_hook=hierarchical"]),
+    "ddp_hierarchical": ("ddp_hierarchical", []),
     "hsdp2_1x1": ("hsdp2", []),
     "hsdp3_1x1": ("hsdp3", []),
 }

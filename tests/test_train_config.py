@@ -27,7 +27,13 @@ CASES = [
     (["data=cifar10", "model=resnet18", "data.root=/no/such/root"], 2, r"data.root='/no/such/root' has no cifar10"),
     (["trainer.resume=/no/such/ckpt"], 2, r"trainer.resume='/no/such/ckpt' is not a folder"),
     (["strategy=hsdp3", "strategy.shard_size=3"], 4, r"strategy.shard_size=3: .* does not split into shard groups of 3"),
-    (["strategy.comm_hook=hierarchical", "strategy.shard_size=two"], 4, r"strategy.shard_size='two' must be a whole"),
+    (["strategy=ddp_hierarchical", "strategy.shard_size=two"], 4, r"strategy.shard_size='two' must be a whole"),
+    # One strategy, one pattern of collectives: ddp's all_reduce is flat, the two-level one has its own spec.
+    (["strategy.comm_hook=hierarchical"], 4, r"strategy.comm_hook='hierarchical': strategy=ddp takes allreduce \| "
+                                             r"fp16 \| bf16 \| powersgd; comm_hook=hierarchical is "
+                                             r"strategy=ddp_hierarchical"),
+    (["strategy=native_ddp", "strategy.overlap=false"], 2, r"strategy.overlap=False: strategy=native_ddp takes "
+                                                           r"True; overlap=False is strategy=ddp"),
 ]
 
 

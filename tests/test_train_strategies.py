@@ -82,10 +82,10 @@ def test_hybrid_checkpoint_is_written_once_per_shard_group_and_resumes_at_anothe
 
 
 def test_hierarchical_all_reduce_in_the_trainer_trains_like_ddp(ranks, tmp_path):
-    """strategy.comm_hook=hierarchical on a 2x2 mesh: the same model as plain ddp, within rounding."""
+    """strategy=ddp_hierarchical on a 2x2 mesh: the same model as plain ddp, within rounding."""
     finals = {}
-    for name, extra in (("flat", ()), ("hierarchical", ("strategy.comm_hook=hierarchical", "strategy.shard_size=2"))):
-        out = ranks(4).run(train_on_rank, tiny(*extra, strategy="ddp"), str(tmp_path / name), timeout_s=180)
+    for name, strategy, extra in (("flat", "ddp", ()), ("hierarchical", "ddp_hierarchical", ("strategy.shard_size=2",))):
+        out = ranks(4).run(train_on_rank, tiny(*extra, strategy=strategy), str(tmp_path / name), timeout_s=180)
         finals[name] = out[0]["full_state"]
     for key, ref in finals["flat"].items():
         diff = (finals["hierarchical"][key] - ref).abs().max().item()

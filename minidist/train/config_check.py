@@ -115,10 +115,8 @@ def _plain(node) -> dict:
 
 
 def check_mesh(strategy_cfg, spec, world_size: int) -> None:
-    """Hybrid strategies (`spec`, strategy_cfg's) and comm_hook=hierarchical: strategy.shard_size
-    must split the world."""
-    hybrid = spec.hybrid or str(strategy_cfg.get("comm_hook", "")) == "hierarchical"
-    if hybrid and strategy_cfg.get("shard_size") is not None:  # null: one host, known once launched
+    """Hybrid strategies (`spec`, strategy_cfg's): strategy.shard_size must split the world."""
+    if spec.hybrid and strategy_cfg.get("shard_size") is not None:  # null: one host, known once launched
         mesh_dims(strategy_cfg, world_size)
 
 

@@ -16,7 +16,6 @@ import contextlib
 
 import torch
 
-from minidist.train.errors import ConfigError
 from minidist.train.strategies.base import Strategy, mesh_dims
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, Collective, StrategySpec, in_shard_groups
@@ -43,9 +42,6 @@ class NativeDDP(Strategy):
         return self._ddp(net), optim_cls(net.parameters(), **optim_kwargs)
 
     def _ddp(self, net):
-        if not bool(self.cfg.overlap):
-            raise ConfigError(f"strategy.overlap=false: {self.name} (torch's DDP) always overlaps; only strategy=ddp "
-                              "can reduce after backward")
         model = self._native_ddp(net)
         hook = str(self.cfg.comm_hook)
         if hook != "allreduce":  # the same compression as ours, through torch's own hooks
@@ -54,10 +50,8 @@ class NativeDDP(Strategy):
             if hook == "powersgd":
                 model.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4),
                                          powerSGD_hook.powerSGD_hook)
-            elif hook in ("fp16", "bf16"):
+            else:  # fp16 | bf16 (the spec's choices)
                 model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
-            else:
-                raise ConfigError(f"strategy.comm_hook={hook!r}: choose allreduce, fp16, bf16 or powersgd")
         return model
 
 
@@ -154,14 +148,16 @@ class NativeHSDP(NativeFSDP):
 # -- the specs (spec.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "overlap",
                "comm_hook")
+# torch's own hooks of the names ours has; torch's DDP always overlaps (only ours reduces after backward).
+HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd"), "overlap": (True,)}
 
 register(StrategySpec("native_ddp", "native", NativeDDP, "torch.nn.parallel.DistributedDataParallel",
-                      collectives=ALL_REDUCE, options=DDP_OPTIONS, traces_comm=False))
+                      collectives=ALL_REDUCE, options=DDP_OPTIONS, choices=HOOKS, traces_comm=False))
 # ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it: one broadcast
 # of the whole model per step, counted in full for every rank as minidist.comm does.
 register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataParallel + ZeroRedundancyOptimizer",
                       zero_stage=1, collectives=ALL_REDUCE + (Collective("broadcast"),),
-                      options=DDP_OPTIONS, traces_comm=False))
+                      options=DDP_OPTIONS, choices=HOOKS, traces_comm=False))
 register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
                       zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params",),
                       traces_comm=False))

@@ -40,8 +40,8 @@ class Single(Strategy):
 
 
 class OursDDP(Strategy):
-    """minidist.DataParallel; on a mesh (hybrid spec, or comm_hook=hierarchical) its all_reduce
-    runs in two levels."""
+    """minidist.DataParallel; on a mesh (the hybrid spec, whose comm_hook is hierarchical) its
+    all_reduce runs in two levels."""
 
     def _wrap(self, net, optim_cls, optim_kwargs):
         from minidist import DataParallel
@@ -136,18 +136,20 @@ class OursZero(Strategy):
 
 # -- the specs: what each strategy is, sends and holds (spec.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers",
-               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "shard_size")
+               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook")
+FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd")}  # the two-level one is ddp_hierarchical
 ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters"),
                 3: ("min_unit_params", "broadcast_buffers", "collectives")}  # stage 3: units, not buckets
 ZERO_OPTIONS[2] = ZERO_OPTIONS[1]
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
                       collectives=(), single_rank=True))
 register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucketed all_reduce overlapped with "
-                      "backward", reference="native_ddp", collectives=ALL_REDUCE, options=DDP_OPTIONS))
+                      "backward", reference="native_ddp", collectives=ALL_REDUCE, options=DDP_OPTIONS,
+                      choices=FLAT_HOOKS))
 register(StrategySpec("ddp_hierarchical", "minidist", OursDDP, "DataParallel with the two-level all_reduce: "
                       "reduce_scatter in each shard group, all_reduce of 1/S across, all_gather within",
                       reference="native_ddp", hybrid=True, collectives=in_shard_groups(ZERO12),
-                      options=DDP_OPTIONS + ("collectives",)))
+                      options=DDP_OPTIONS + ("shard_size", "collectives"), choices={"comm_hook": ("hierarchical",)}))
 for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],

@@ -86,6 +86,12 @@ def check_options(cfg) -> StrategySpec:
     if unknown:
         raise ConfigError(f"strategy.{unknown[0]}: strategy={s.name} does not take it (it takes "
                           f"{', '.join(s.options) or 'no options'}); remove it, or pick a strategy that does")
+    for key, allowed in s.choices.items():
+        value = cfg.get(key)
+        if value not in allowed:
+            others = [o.name for o in specs() if key in o.options and value in o.choices.get(key, (value,))]
+            raise ConfigError(f"strategy.{key}={value!r}: strategy={s.name} takes {' | '.join(map(str, allowed))}"
+                              + (f"; {key}={value} is strategy={' or '.join(others)}" if others else ""))
     return s
 
 

@@ -22,7 +22,7 @@ minidist.comm counts it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 KINDS = ("minidist", "native", "deepspeed")
@@ -86,6 +86,9 @@ class StrategySpec:
     messages: str = "buckets"          # what splits a step's payload: buckets (bucket_cap_mb) or units (stage 3)
     collectives: tuple[Collective, ...] = ()
     options: tuple[str, ...] = ()      # the strategy config's keys it reads (besides name)
+    # The values an option may take, where not every value of the key fits (others are refused
+    # before any work, naming the strategies that do take them), e.g. {"comm_hook": ("allreduce", ...)}.
+    choices: dict[str, tuple] = field(default_factory=dict, hash=False)
     fp16: bool = True                  # takes torch's GradScaler (trainer.precision=fp16)
     traces_comm: bool = True           # its communication goes through minidist.comm (CommTracer sees it)
     single_rank: bool = False          # runs on exactly one rank
