@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -412,10 +413,56 @@ def render(img: Path = IMG) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# --------------------------------------------------------------------------- the README's quotes
+
+README = ROOT / "README.md"
+
+
+def at_most(x: float) -> str:
+    """x rounded *up* to one significant digit (2.4e-06 -> 3e-6): a bound the data respects."""
+    exp = math.floor(math.log10(x)) if x > 0 else 0
+    m = math.ceil(x / 10 ** exp - 1e-9) if x > 0 else 0
+    return f"{m}e{exp}" if m < 10 else f"1e{exp + 1}"
+
+
+def readme_quotes() -> dict[str, str]:
+    """The README's sentences that quote this document's figures, rendered from the same data
+    (between <!-- benchmarks:NAME --> and <!-- /benchmarks:NAME --> in README.md)."""
+    rows = load("main")["rows"]
+    ours = [r for r in rows.values() if r["kind"] == "minidist" and r["time_ratio"] is not None]
+    quotes = {"main": f"all {len(rows)} at {load('main')['world_size']} ranks: " + ", ".join(
+        f"{r['strategy']}/{r['reference']} {r['time_ratio']:.3f}" for r in ours) + " of the reference's step time, "
+        f"every final parameter within {at_most(max(r['final_param_diff'] for r in ours))} of its reference"}
+    if have("hybrid"):
+        r = load("hybrid")["rows"]["hsdp3"]
+        quotes["hybrid"] = (f"hsdp3 takes {r['time_ratio']:.2f}x its step time (4 ranks as 2x2; "
+                            f"`docs/benchmarks.md`, \"Hybrid sharding\") and ends within "
+                            f"{at_most(r['final_param_diff'])} of it")
+    return quotes
+
+
+def with_quotes(text: str) -> str:
+    """`text` (the README) with each quote region holding its current rendering."""
+    for name, quote in readme_quotes().items():
+        start, end = f"<!-- benchmarks:{name} -->", f"<!-- /benchmarks:{name} -->"
+        if text.count(start) != 1 or text.count(end) != 1:
+            raise SystemExit(f"README.md needs exactly one {start} ... {end} region")
+        head, rest = text.split(start)
+        text = head + start + quote + end + rest.split(end, 1)[1]
+    return text
+
+
+def render_all(img: Path = IMG) -> str:
+    """The document, and the README's quotes of it (written in place)."""
+    README.write_text(with_quotes(README.read_text()))
+    print(f"wrote the quotes in {README}")
+    return render(img)
+
+
 def main(argv=None) -> None:
     regenerate_document(__doc__.splitlines()[0], DOC,
                         {name: functools.partial(run, name, overrides) for name, overrides in runs().items()},
-                        render, argv)
+                        render_all, argv)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,15 @@ def test_the_committed_document_is_the_rendering_of_the_committed_data(tmp_path)
         "docs/benchmarks.md differs from its data: run python scripts/make_benchmarks.py --render-only"
 
 
+def test_the_readmes_quotes_of_the_benchmarks_are_rendered_from_the_same_data():
+    make_benchmarks = load_script()
+    readme = (ROOT / "README.md").read_text()
+    assert make_benchmarks.with_quotes(readme) == readme, \
+        "README.md quotes figures the data no longer holds: run python scripts/make_benchmarks.py --render-only"
+    assert make_benchmarks.at_most(2.4e-6) == "3e-6" and make_benchmarks.at_most(3e-6) == "3e-6"
+    assert make_benchmarks.at_most(9.5e-7) == "1e-6"
+
+
 def test_every_data_file_says_where_it_came_from():
     files = sorted((ROOT / "docs" / "benchmarks" / "data").glob("compare_*.json"))
     assert files, "no committed benchmark data"
