@@ -1,7 +1,7 @@
 """A cost model of one training step's communication on a two-level cluster, to 16,384 ranks.
 
     python -m minidist.costmodel recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
-    python -m minidist.costmodel table --out docs/scale.md --plot docs/img/scale.png
+    python -m minidist.costmodel table --plot scale.png      # the tables of docs/scale.md (scripts/make_scale_doc.py)
     python -m minidist.costmodel validate measured.json      # against scripts/validate_sim.sh's runs
 
 The cluster: H hosts of G ranks (N = H G). Within a host, each rank has links of bandwidth
@@ -43,8 +43,8 @@ K = 12, from each spec's ZeRO stage): ddp/ddp_hierarchical 16 Psi; zero1 4 Psi +
 "fits" when its model state takes at most `state_fraction` of the device memory.
 
 This is communication only: compute and how much of the communication it hides are not
-modelled. docs/scale.md holds the table and plot, and how the model compares with the
-emulated hosts (scripts/validate_sim.sh).
+modelled. docs/scale.md (rendered by scripts/make_scale_doc.py) holds the tables and plots, and
+how the model compares with the emulated hosts (scripts/validate_sim.sh).
 """
 
 from __future__ import annotations

@@ -77,3 +77,30 @@ def test_a_speedup_target_needs_the_whole_interval_above_it():
     assert make_components.at_least([1.52, 2.0], 1.5) == "met"
     assert make_components.at_least([1.49, 2.0], 1.5) == "undecided"
     assert make_components.at_least([1.1, 1.45], 1.5) == "NOT met"
+
+
+SCALE = ROOT / "scripts" / "make_scale_doc.py"
+
+
+def test_the_scale_document_is_the_rendering_of_the_cost_model_and_the_committed_runs(tmp_path):
+    make_scale_doc = load_script(SCALE)
+    assert make_scale_doc.render(img=tmp_path) == (ROOT / "docs" / "scale.md").read_text(), \
+        "docs/scale.md differs from the cost model or its data: run python scripts/make_scale_doc.py --render-only"
+
+
+def test_every_committed_validation_run_says_where_it_came_from_and_is_within_the_bound():
+    make_scale_doc = load_script(SCALE)
+    for rate in make_scale_doc.RATES:
+        data = make_scale_doc.load(rate)
+        assert data["provenance"]["command"] == make_scale_doc.command(rate)
+        assert len(data["provenance"]["commit"]) >= 40 and data["provenance"]["date"]
+        errors = make_scale_doc.errors(data)
+        assert set(errors) == {"ddp", "zero3", "ddp_hierarchical", "hsdp3"}
+        assert all(abs(e) <= make_scale_doc.TOLERANCE for e in errors.values()), (rate, errors)
+
+
+def test_runs_of_picks_reads_as_ranges():
+    runs_of = load_script(SCALE).runs_of
+    assert runs_of([(16, "zero3"), (64, "hsdp3"), (256, "hsdp3")]) == "zero3 at 16, hsdp3 from 64 on"
+    assert runs_of([(16, None), (64, "zero3"), (256, "zero3"), (1024, "hsdp3")]) == \
+        "none fits at 16, zero3 from 64 to 256, hsdp3 at 1,024"

@@ -3,9 +3,9 @@ x 2 ranks whose links are shaped with tc (200 Mbit/s between hosts, loopback wit
 pattern (ddp, zero3, hierarchical all_reduce, hsdp3) predicted within 25%. Slow (about 20 s of
 saturated links and both cores): `make test-all`. Without root it says so: test_multinode.py.
 
-The 25% bound, from measured errors: with the links from the point-to-point probe, one run at
-each of 100, 200 and 500 Mbit/s (2026-11-30, REPS=5, docs/scale.md) put every pattern between
--12% and +3%; 25% is twice the worst of them. It is what `python -m minidist.costmodel validate` uses."""
+The 25% bound is what `python -m minidist.costmodel validate` uses; the runs at 100, 200 and
+500 Mbit/s committed in docs/scale/data/ (rendered in docs/scale.md) hold every pattern's error,
+and tests/test_benchmarks_doc.py checks that each is within it."""
 
 import os
 import subprocess
