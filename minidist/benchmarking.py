@@ -104,6 +104,18 @@ def regenerate_document(description: str, doc: Path, runs: dict, render, argv=No
     print(f"wrote {doc}")
 
 
+def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
+    """`text` (e.g. the README) with each region <!-- TAG:NAME -->...<!-- /TAG:NAME --> holding
+    quotes[NAME]: the sentences that quote a rendered document's figures, rendered with it."""
+    for name, quote in quotes.items():
+        start, end = f"<!-- {tag}:{name} -->", f"<!-- /{tag}:{name} -->"
+        if text.count(start) != 1 or text.count(end) != 1:
+            raise SystemExit(f"the text needs exactly one {start} ... {end} region")
+        head, rest = text.split(start)
+        text = head + start + quote + end + rest.split(end, 1)[1]
+    return text
+
+
 def write_json(path: str | None, payload: dict) -> None:
     """Write a benchmark's results (rank 0 only, by the caller) and say where."""
     if not path:

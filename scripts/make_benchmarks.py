@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
+from minidist.benchmarking import fill_quotes, provenance, regenerate_document  # noqa: E402
 from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
 from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
@@ -443,13 +443,7 @@ def readme_quotes() -> dict[str, str]:
 
 def with_quotes(text: str) -> str:
     """`text` (the README) with each quote region holding its current rendering."""
-    for name, quote in readme_quotes().items():
-        start, end = f"<!-- benchmarks:{name} -->", f"<!-- /benchmarks:{name} -->"
-        if text.count(start) != 1 or text.count(end) != 1:
-            raise SystemExit(f"README.md needs exactly one {start} ... {end} region")
-        head, rest = text.split(start)
-        text = head + start + quote + end + rest.split(end, 1)[1]
-    return text
+    return fill_quotes(text, "benchmarks", readme_quotes())
 
 
 def render_all(img: Path = IMG) -> str:

@@ -104,3 +104,18 @@ def test_runs_of_picks_reads_as_ranges():
     assert runs_of([(16, "zero3"), (64, "hsdp3"), (256, "hsdp3")]) == "zero3 at 16, hsdp3 from 64 on"
     assert runs_of([(16, None), (64, "zero3"), (256, "zero3"), (1024, "hsdp3")]) == \
         "none fits at 16, zero3 from 64 to 256, hsdp3 at 1,024"
+
+
+FAULTS = ROOT / "scripts" / "make_fault_tolerance_doc.py"
+
+
+def test_the_fault_tolerance_document_is_the_rendering_of_the_committed_soak():
+    make_doc = load_script(FAULTS)
+    assert make_doc.render() == (ROOT / "docs" / "fault_tolerance.md").read_text(), \
+        "docs/fault_tolerance.md differs from its data: run python scripts/make_fault_tolerance_doc.py --render-only"
+    soak = json.loads(make_doc.DATA.read_text())
+    assert soak["provenance"]["command"] == make_doc.COMMAND and len(soak["provenance"]["commit"]) >= 40
+    assert len(soak["kills"]) == len(soak["redone_steps"]) and soak["with_kills_s"] > soak["straight_s"]
+    readme = (ROOT / "README.md").read_text()
+    assert make_doc.with_quotes(readme) == readme, \
+        "README.md quotes soak figures the data no longer holds: run python scripts/make_fault_tolerance_doc.py --render-only"
