@@ -85,10 +85,12 @@ def provenance(repo: Path, command: str, torch_version: str) -> dict:
             "torch": torch_version, "date": time.strftime("%Y-%m-%d")}
 
 
-def regenerate_document(description: str, doc: Path, runs: dict, render, argv=None) -> None:
+def regenerate_document(description: str, doc: Path, runs: dict, render, argv=None, quoted_in=None) -> None:
     """The command line of the scripts that render a document from committed benchmark data
     (scripts/make_*.py): run every entry of `runs` (name -> callable), or only those named by
-    --only prefixes, then write render() to `doc`; --render-only runs nothing."""
+    --only prefixes, then write render() to `doc`; --render-only runs nothing. quoted_in:
+    (a file that quotes the document's figures, e.g. the README; the function that rewrites its
+    text with them, see fill_quotes), rewritten in place after the document."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -102,6 +104,10 @@ def regenerate_document(description: str, doc: Path, runs: dict, render, argv=No
                 run()
     Path(doc).write_text(render())
     print(f"wrote {doc}")
+    if quoted_in is not None:
+        path, with_quotes = quoted_in
+        Path(path).write_text(with_quotes(Path(path).read_text()))
+        print(f"wrote the quotes in {path}")
 
 
 def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:

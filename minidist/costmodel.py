@@ -258,12 +258,19 @@ def predict_measured(m: dict) -> dict[str, float]:
             for s in m["measured"]}
 
 
+def prediction_errors(m: dict, predicted: dict[str, float] | None = None) -> dict[str, float]:
+    """Per pattern that scripts/validate_sim.sh measured: (predicted - measured) / measured
+    (`predicted`: predict_measured(m), when the caller has it already)."""
+    predicted = predicted if predicted is not None else predict_measured(m)
+    return {s: (predicted[s] - measured) / measured for s, measured in m["measured"].items()}
+
+
 def validate(m: dict, tolerance: float = 0.25) -> tuple[bool, str]:
     predicted = predict_measured(m)
     lines = ["| pattern | measured s | predicted s | error |", "|---|---|---|---|"]
     ok = True
-    for s, measured in m["measured"].items():
-        err = (predicted[s] - measured) / measured
+    for s, err in prediction_errors(m, predicted).items():
+        measured = m["measured"][s]
         ok &= abs(err) <= tolerance
         lines.append(f"| {s} | {measured:.3f} | {predicted[s]:.3f} | {err:+.0%} |")
     return ok, "\n".join(lines)

@@ -428,9 +428,10 @@ def at_most(x: float) -> str:
 def readme_quotes() -> dict[str, str]:
     """The README's sentences that quote this document's figures, rendered from the same data
     (between <!-- benchmarks:NAME --> and <!-- /benchmarks:NAME --> in README.md)."""
-    rows = load("main")["rows"]
+    main = load("main")
+    rows = main["rows"]
     ours = [r for r in rows.values() if r["kind"] == "minidist" and r["time_ratio"] is not None]
-    quotes = {"main": f"all {len(rows)} at {load('main')['world_size']} ranks: " + ", ".join(
+    quotes = {"main": f"all {len(rows)} at {main['world_size']} ranks: " + ", ".join(
         f"{r['strategy']}/{r['reference']} {r['time_ratio']:.3f}" for r in ours) + " of the reference's step time, "
         f"every final parameter within {at_most(max(r['final_param_diff'] for r in ours))} of its reference"}
     if have("hybrid"):
@@ -446,17 +447,10 @@ def with_quotes(text: str) -> str:
     return fill_quotes(text, "benchmarks", readme_quotes())
 
 
-def render_all(img: Path = IMG) -> str:
-    """The document, and the README's quotes of it (written in place)."""
-    README.write_text(with_quotes(README.read_text()))
-    print(f"wrote the quotes in {README}")
-    return render(img)
-
-
 def main(argv=None) -> None:
     regenerate_document(__doc__.splitlines()[0], DOC,
                         {name: functools.partial(run, name, overrides) for name, overrides in runs().items()},
-                        render_all, argv)
+                        render, argv, quoted_in=(README, with_quotes))
 
 
 if __name__ == "__main__":

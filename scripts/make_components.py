@@ -50,7 +50,7 @@ RUNS = {  # name: (recipe, overrides, the file the recipe leaves in its run dire
     "memory": ("bench_memory.py", [], "results.json"),
     "train": ("train.py", [], "summary.json"),  # what `make train` runs
 }
-RING_TARGET = 1.5           # ring reduce_scatter busbw over gloo's, from 1 MiB to 64 MiB (the goal the ring was built for)
+RING_TARGET = 1.5           # ring reduce_scatter busbw over gloo's, 1-64 MiB (the goal the ring was built for)
 RING_TARGET_FROM = 1 << 20
 TRAIN_TARGET_LOSS = 2.5     # make train's validation loss, nats (a uniform guess over bytes: ln 256 = 5.55)
 MIB = 2**20

@@ -120,14 +120,8 @@ def with_quotes(text: str) -> str:
         "bitwise equal")})
 
 
-def render_all() -> str:
-    """The document, and the README's quote of it (written in place)."""
-    README.write_text(with_quotes(README.read_text()))
-    return render()
-
-
 def main(argv=None) -> None:
-    regenerate_document(__doc__.splitlines()[0], DOC, {"soak": soak}, render_all, argv)
+    regenerate_document(__doc__.splitlines()[0], DOC, {"soak": soak}, render, argv, quoted_in=(README, with_quotes))
 
 
 if __name__ == "__main__":

@@ -72,12 +72,6 @@ def load(rate: int) -> dict:
 
 # --------------------------------------------------------------------------- the figures
 
-def errors(m: dict) -> dict[str, float]:
-    """Per pattern: (predicted - measured) / measured."""
-    predicted = costmodel.predict_measured(m)
-    return {s: (predicted[s] - t) / t for s, t in m["measured"].items()}
-
-
 def example() -> str:
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
@@ -121,10 +115,11 @@ def validation_section() -> list[str]:
     have = [r for r in RATES if data_file(r).is_file()]
     if not have:
         return ["No measurements committed yet: run `sudo python scripts/make_scale_doc.py`."]
-    detailed = load(DETAILED if DETAILED in have else have[0])
+    runs = {r: load(r) for r in have}
+    detailed = runs[DETAILED if DETAILED in have else have[0]]
     patterns = list(detailed["measured"])
     ok, table = costmodel.validate(detailed, TOLERANCE)
-    errs = {r: errors(load(r)) for r in have}
+    errs = {r: costmodel.prediction_errors(m) for r, m in runs.items()}
     lines = [
         f"At {DETAILED} Mbit/s (`{command(DETAILED)}`, {detailed['provenance']['date']}):",
         "",
@@ -144,8 +139,8 @@ def validation_section() -> list[str]:
     flat = [-errs[r][s] for r in have for s in ("ddp", "zero3") if s in errs[r]]
     slower = all(x > 0 for x in flat)
     measured = detailed["measured"]
-    ranking_holds = [r for r in have if sorted(load(r)["measured"], key=load(r)["measured"].get)
-                     == sorted(load(r)["measured"], key=costmodel.predict_measured(load(r)).get)]
+    ranking_holds = [r for r, m in runs.items() if sorted(m["measured"], key=m["measured"].get)
+                     == sorted(m["measured"], key=costmodel.predict_measured(m).get)]
     lines += [
         "",
         "What the errors say:",

@@ -94,7 +94,7 @@ def test_every_committed_validation_run_says_where_it_came_from_and_is_within_th
         data = make_scale_doc.load(rate)
         assert data["provenance"]["command"] == make_scale_doc.command(rate)
         assert len(data["provenance"]["commit"]) >= 40 and data["provenance"]["date"]
-        errors = make_scale_doc.errors(data)
+        errors = make_scale_doc.costmodel.prediction_errors(data)
         assert set(errors) == {"ddp", "zero3", "ddp_hierarchical", "hsdp3"}
         assert all(abs(e) <= make_scale_doc.TOLERANCE for e in errors.values()), (rate, errors)
 

@@ -153,7 +153,6 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self._params = [p for _, p in named]
         self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
 
-        self.find_unused_parameters = find_unused_parameters
         # Record the order gradients arrive in during the first synced backward, then rebuild.
         self._backward = BucketedBackward(
             self, self._names, self._params, self._allocate_buckets(list(reversed(range(len(self._params))))),
@@ -186,6 +185,11 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     @property
     def _buckets(self) -> list[Bucket]:
         return self._backward.buckets
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """As given to the constructor (held by the backward, which acts on it)."""
+        return self._backward.find_unused_parameters
 
     @property
     def bucket_plan(self) -> list[list[str]]:

@@ -398,12 +398,12 @@ class ZeroStage12(ShardedDataParallel):
             buckets.append(bucket)
             if stage == 1:
                 self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
-        self.find_unused_parameters = find_unused_parameters
         # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
         # Without find_unused_parameters, a parameter without gradient raises when backward ends
         # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
         self._backward = BucketedBackward(self, self._names, self._params, buckets, world_size=self.world_size,
-                                          process_group=self.process_group, overlap=(stage == 2 and overlap is not False),
+                                          process_group=self.process_group,
+                                          overlap=(stage == 2 and overlap is not False),
                                           find_unused_parameters=find_unused_parameters,
                                           flag_unused_anywhere=False)
         self._stash: dict[int, torch.Tensor] = {}
@@ -460,6 +460,11 @@ class ZeroStage12(ShardedDataParallel):
     @property
     def _buckets(self) -> list[ShardBucket]:
         return self._backward.buckets
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """As given to the constructor (held by the backward, which acts on it; _check_used reads it)."""
+        return self._backward.find_unused_parameters
 
     # -- what the BucketedBackward does with a bucket (a BucketReducer)
     def _before_backward(self) -> None:
