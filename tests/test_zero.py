@@ -324,7 +324,7 @@ def test_bad_arguments_are_explained(ranks):
     assert "min_unit_params" in errors[2] and "Use stage=3" in errors[2]
     assert "stage=3) does not take bucket_cap_mb=4.0" in errors[3]  # once silently ignored
     assert "stage=1) does not take overlap=True" in errors[4] and "Use stage=2" in errors[4]  # once too
-    assert "optimizer_factory must be callable" in errors[5]
+    assert "optimizer must be a torch.optim.Optimizer" in errors[5] and "functools.partial" in errors[5]
 
 
 def pool_size_with_max_inflight(stage: int, max_inflight: int):

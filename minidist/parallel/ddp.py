@@ -46,6 +46,8 @@ from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSw
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
 from minidist.parallel.join import FORWARD, final_sync, global_rank
+from minidist.parallel.native_args import (check_devices, check_materialised, check_not_wrapped, mark_wrapped,
+                                           process_group_of, refuse_unknown)
 from minidist.parallel.powersgd import PowerSGD
 
 
@@ -113,17 +115,30 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             per optimizer step under no_sync accumulation; see buffer_sync.py).
         comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16",
             "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)).
-        process_group: the group to reduce over (default: the world).
+        process_group: the group to reduce over (default: the world); or device_mesh, a 1-D
+            torch DeviceMesh standing for its group.
+
+    Native DDP's other arguments, as GPU scripts pass them (native_args.py): device_ids and
+    output_device, when they name the module's own device; dim, static_graph and
+    check_reduction, which change nothing here; init_sync=False, which skips the initial
+    broadcast (the ranks already agree). The rest are refused, naming why.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0, *,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  last_bucket_mb: float | None = None, bucket_closing: str = "at_most",
                  overlap: bool = True, gradient_as_bucket_view: bool = False,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
-                 comm_hook: Callable | str | None = None, process_group=None):
+                 comm_hook: Callable | str | None = None, process_group=None, init_sync: bool = True,
+                 static_graph: bool = False, check_reduction: bool = False, device_mesh=None, **native_only):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs a process group: call minidist.init_distributed() first")
+        refuse_unknown("DataParallel", native_only)
+        check_devices(module, device_ids, output_device)
+        check_materialised(module, "DataParallel")
+        check_not_wrapped(module, "DataParallel")
+        process_group = process_group_of(device_mesh, process_group, "DataParallel")
         if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
             raise ValueError(f"bucket sizes must be positive, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_mb={first_bucket_mb}")
@@ -146,7 +161,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         self._last_cap_bytes = None if last_bucket_mb is None else int(last_bucket_mb * MiB)
         self._closing = bucket_closing
 
-        replicate_from_source(module, self.source_rank, process_group)
+        if init_sync:
+            replicate_from_source(module, self.source_rank, process_group)
         # named_parameters() yields a shared (tied) parameter once: it is reduced once.
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
@@ -159,6 +175,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             world_size=self.world_size, process_group=process_group, overlap=overlap,
             find_unused_parameters=find_unused_parameters, record_ready_order=True, fill_when_complete=True)
         self._adopt_gradients()
+        mark_wrapped(module, "DataParallel")
 
     # ----------------------------------------------------------------------- buckets
 
@@ -320,6 +337,17 @@ class DataParallel(GradientSyncSwitch, nn.Module):
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict (already complete on every rank: nothing is sharded)."""
         return self.module.state_dict()
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict:
+        """`optimizer.state_dict()`: complete on every rank, nothing is sharded (the call reads as
+        ShardedDataParallel's, so a script works with either wrapper). With rank0_only, other
+        ranks get {}."""
+        return {} if rank0_only and dist.get_rank(self.process_group) != 0 else optimizer.state_dict()
+
+    @staticmethod
+    def load_full_optim_state_dict(state: dict, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer.load_state_dict(state)` (as ShardedDataParallel's)."""
+        optimizer.load_state_dict(state)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes on this rank, measured from live storages: parameters, gradients, comm buffers, optimizer."""

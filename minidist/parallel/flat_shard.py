@@ -8,6 +8,15 @@ applies. The owned slice of the fp32 values ("master" shard) is what the
 optimizer steps on: any element-wise optimizer (SGD, Adam, AdamW) works on a
 flat slice exactly as on the separate tensors.
 
+The user's optimizer may give its parameter groups different options (no weight
+decay for biases and norms). So the parameters are laid out group by group, and
+the master shard is cut where the groups meet: one "piece" per optimizer group,
+each an nn.Parameter viewing its part of the master (empty where this rank's slice
+holds none of that group). The pieces are what the optimizer's groups hold:
+
+    flat:    [ group 0: p0 | p2 | group 1: p1 | p3 | pad ]
+    rank r:              [ piece 0 | piece 1 ]   (views into master)
+
 Both ZeRO-1/2 buckets and ZeRO-3 units are FlatShards; what differs is whether
 the full flat buffer lives all the time (stages 1-2) or only around the unit's
 forward and backward (stage 3).
@@ -31,13 +40,23 @@ class ParamSlot:
     numel: int
 
 
+def order_by_group(ids: list[int], group_of: list[int]) -> list[int]:
+    """`ids` with the parameters of each optimizer group together, in group order (stable):
+    the layout FlatShard needs to cut its master shard into one piece per group."""
+    return sorted(ids, key=lambda i: group_of[i])
+
+
 class FlatShard:
     """One flat group. `full` holds the compute-dtype values of every parameter in the group
-    (when materialised); `master` is this rank's fp32 slice, wrapped as an nn.Parameter."""
+    (when materialised); `master` is this rank's fp32 slice; `pieces` are the nn.Parameters the
+    optimizer steps, one per optimizer group, viewing consecutive parts of `master`.
+
+    `groups[i]`: the optimizer group of params[i], non-decreasing (see order_by_group);
+    None: every parameter in group 0 of `n_groups`."""
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
                  world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
-                 algorithm: str = "backend"):
+                 algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
         self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
         self.params = params
@@ -63,15 +82,55 @@ class FlatShard:
             # Stages 1-2 in full precision: the master shard *is* the owned slice of the
             # parameters (no copy). Otherwise it is a separate fp32 tensor.
             if keep_full and self.compute_dtype == self.master_dtype:
-                master = self.full[self.lo:self.hi]
+                self.master = self.full[self.lo:self.hi]
             else:
-                master = values[self.lo:self.hi].clone()
-            self.master = nn.Parameter(master, requires_grad=True)
+                self.master = values[self.lo:self.hi].clone()
+            self.groups = list(groups) if groups is not None else [0] * len(params)  # of each slot
+            self.piece_bounds = self._cut_into_groups(self.groups, n_groups)
+            self.pieces = [nn.Parameter(self.master[a:b], requires_grad=True) for a, b in self.piece_bounds]
             for slot, p in zip(self.slots, params):
                 p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.keep_full = keep_full
         if not keep_full:
             self.free_full()
+
+    def _cut_into_groups(self, groups: list[int], n_groups: int) -> list[tuple[int, int]]:
+        """(start, end) within the master shard of each optimizer group's piece; together they
+        tile the shard (the padding goes with the last group)."""
+        if any(b < a for a, b in zip(groups, groups[1:])):
+            raise ValueError("FlatShard: parameters must be ordered by optimizer group (order_by_group)")
+        starts = []  # where each group begins in the flat buffer
+        for g in range(n_groups):
+            first = next((slot.offset for slot, gi in zip(self.slots, groups) if gi >= g), self.numel)
+            starts.append(first)
+        ends = starts[1:] + [self.padded]
+        clamp = lambda x: min(max(x - self.lo, 0), self.shard_size)  # noqa: E731
+        return [(clamp(a), clamp(b)) for a, b in zip(starts, ends)]
+
+    # ----------------------------------------------------------------- gradients (of the pieces)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The pieces' gradients that exist (what clipping and the optimizer see)."""
+        return [p.grad for p in self.pieces if p.grad is not None]
+
+    def add_grad(self, flat: torch.Tensor) -> None:
+        """Accumulate a shard-sized gradient into the pieces (which view it when they had none)."""
+        for p, (a, b) in zip(self.pieces, self.piece_bounds):
+            if p.grad is None:
+                p.grad = flat[a:b]
+            else:
+                p.grad.add_(flat[a:b])
+
+    def take_grad(self) -> torch.Tensor | None:
+        """The pieces' gradient as one shard-sized copy (None if they have none); clears them."""
+        if all(p.grad is None for p in self.pieces):
+            return None
+        out = torch.zeros_like(self.master)
+        for p, (a, b) in zip(self.pieces, self.piece_bounds):
+            if p.grad is not None:
+                out[a:b].copy_(p.grad)
+            p.grad = None
+        return out
 
     # ----------------------------------------------------------------- full parameters
 
@@ -132,6 +191,11 @@ class FlatShard:
 
     def full_fp32(self) -> torch.Tensor:
         """Every rank's master shard, gathered (fp32, padded)."""
-        out = torch.empty(self.padded, dtype=self.master_dtype, device=self.device)
-        comm.all_gather_into(out, self.master.detach(), group=self.group, algorithm=self.algorithm)
+        return self.gather_flat(self.master)
+
+    def gather_flat(self, shard_values: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard-sized `shard_values` (the master, an optimizer state), gathered
+        into the padded flat layout. A collective over the shard group."""
+        out = torch.empty(self.padded, dtype=shard_values.dtype, device=self.device)
+        comm.all_gather_into(out, shard_values.detach(), group=self.group, algorithm=self.algorithm)
         return out

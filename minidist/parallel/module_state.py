@@ -51,8 +51,10 @@ class ModuleStateHooks:
         elif not keep_vars:
             raise RuntimeError(
                 "ShardedDataParallel(stage=3): state_dict() has no values to return, since each rank holds "
-                "only its shard of the parameters. Use model.full_state_dict() on every rank (a collective; "
-                "rank0_only=True keeps the result on rank 0 only), then torch.save it on rank 0, or "
+                "only its shard of the parameters. Use full = model.full_state_dict() on every rank (a "
+                "collective; rank0_only=True keeps the result on rank 0 only), then torch.save it on rank 0; its "
+                "keys are the plain module's (no 'module.' prefix), so load it with "
+                "model.module.load_state_dict(full) (every rank keeps its slice) or into the bare model. Or "
                 "model.sharded_state_dict() for a per-rank checkpoint without communication "
                 "(load_sharded_state_dict reloads it at any world size).")
 

@@ -34,11 +34,10 @@ memory) and stages 1-2, which reuse DataParallel's backward machinery.
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from minidist import comm
 from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
@@ -47,9 +46,14 @@ from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSw
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.eager import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
-from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.flat_shard import FlatShard, order_by_group
 from minidist.parallel.module_state import ModuleStateHooks
+from minidist.parallel.native_args import (check_materialised, check_not_wrapped, check_reshard_after_forward,
+                                           is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
+                                           refuse_unknown)
 from minidist.parallel.across_replicas import ReplicaReduce
+from minidist.parallel.scaler_agreement import FoundInfAgreement
+from minidist.parallel.shard_optimizer import ShardOptimizer, parameter_groups
 from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.zero_join import ShardedJoin
 
@@ -61,12 +65,19 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
 
     After backward, the averaged gradient is in `model.optimizer`'s parameters (this rank's
     shard); every module parameter's `.grad` raises if read (see sharded_grad.py), so clip with
-    `model.clip_grad_norm_`, not torch.nn.utils.clip_grad_norm_.
+    `model.clip_grad_norm_`, not torch.nn.utils.clip_grad_norm_. torch.amp.GradScaler works
+    on model.optimizer as under native DDP: every rank skips an overflowing step together
+    (scaler_agreement.py). `model.optimizer.state_dict()` is this rank's shard (loading it on
+    another rank is refused); full_optim_state_dict() is the whole, loadable anywhere.
 
     Args:
         module: the model, the same on every rank.
-        optimizer_factory: called with the list of this rank's master shards, e.g.
-            `functools.partial(torch.optim.AdamW, lr=3e-4)`. Any element-wise optimizer works.
+        optimizer: the torch optimizer the script built over the module's parameters (its param
+            groups keep their options: no weight decay for biases and norms), which from then on
+            steps this rank's shards (model.optimizer is it; schedulers built on it keep working);
+            or a factory called with this rank's shards, e.g.
+            `functools.partial(torch.optim.AdamW, lr=3e-4)`. Element-wise optimizers only (SGD,
+            Adam, AdamW, ...): see shard_optimizer.py.
         stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
         bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size);
             stage 3 refuses it (its units replace buckets).
@@ -76,6 +87,11 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             after backward and refuses overlap=True.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
+        mp_policy: FSDP2's MixedPrecisionPolicy instead: its param_dtype and reduce_dtype, outputs
+            cast to its output_dtype, inputs cast to param_dtype unless cast_forward_inputs=False.
+        reshard_after_forward: stage 3, as FSDP2's: False keeps each unit gathered from its forward
+            to its backward (one gather per step instead of two, full parameters alive between);
+            stages 1-2 never reshard, so they refuse True.
         collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's),
             "ring" (minidist.comm.ring, built from send/recv; gloo only) or "auto" (the ring
             where it measurably wins: gloo's reduce_scatter, gloo's all_gather from 4 MiB;
@@ -90,7 +106,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             used, which raise too (torch's optimizer would skip them, a flat shard cannot); those
             unused on some ranks only train exactly as under native DDP.
         process_group: the group to shard over (default: the world).
-        mesh: hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S): shard over
+        mesh: a 1-D torch DeviceMesh (FSDP2's argument) stands for its group. Or hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S): shard over
             the mesh's shard group (one host), replicate across its replicate group. Gradients
             are reduce_scattered within the shard group, then each shard is all_reduced across
             the replicas (only that crosses hosts: 1/S of the bytes); parameters are gathered
@@ -112,14 +128,24 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------ shared set-up
 
-    def _setup_common(self, module: nn.Module, optimizer_factory: Callable, stage: int, process_group,
+    def _setup_common(self, module: nn.Module, optimizer, stage: int, process_group,
                       param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                      max_inflight: int, broadcast_buffers: bool, collectives: str, mesh=None) -> list:
+                      max_inflight: int, broadcast_buffers: bool, collectives: str, mesh=None,
+                      mp_policy=None) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
-        if not callable(optimizer_factory):
-            raise TypeError("optimizer_factory must be callable with a list of parameters, e.g. "
-                            "functools.partial(torch.optim.AdamW, lr=3e-4)")
+        check_materialised(module, "ShardedDataParallel")
+        check_not_wrapped(module, "ShardedDataParallel")
+        if is_device_mesh(mesh):  # FSDP2's argument: a 1-D torch DeviceMesh is its group
+            process_group, mesh = process_group_of(mesh, process_group, "ShardedDataParallel"), None
+        param_dtype, reduce_dtype, self.output_dtype, self.cast_forward_inputs = \
+            mixed_precision(mp_policy, param_dtype, reduce_dtype)
+        if optimizer is None:
+            raise TypeError(
+                "ShardedDataParallel needs the optimizer: pass the one you built over the module's parameters "
+                "(ShardedDataParallel(net, torch.optim.AdamW(net.parameters(), lr=3e-4), stage=2); param groups "
+                "keep their options), or a factory called with this rank's shards "
+                "(functools.partial(torch.optim.AdamW, lr=3e-4)). model.optimizer is then the one to step.")
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         # Stages 2-3: at most this many full-size gradient buffers wait for their
@@ -129,6 +155,14 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.stage = stage
         if mesh is not None and process_group is not None:
             raise ValueError("ShardedDataParallel: give mesh (hybrid sharding) or process_group, not both")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ShardedDataParallel: the model has no trainable parameters")
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        # Which optimizer group each parameter belongs to (one group for a factory): the shards are
+        # laid out group by group (shard_optimizer.py). Checked before any communication.
+        self._group_of, self._full_groups = parameter_groups(optimizer, module, self._params, self._names)
         self.mesh = mesh
         # Sharding happens over process_group (with a mesh: its shard group); data parallelism,
         # the buffer broadcast and Join span dp_group (with a mesh: the whole world).
@@ -148,12 +182,16 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.collectives = collectives
         replicate_from_source(module, self.source_rank, self.dp_group)
         self._buffer_sync = BufferSync(module, broadcast_buffers, self.dp_size, self.source_rank, self.dp_group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("ShardedDataParallel: the model has no trainable parameters")
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
         return named
+
+    def _flat_shard(self, k: int, ids: list[int], keep_full: bool) -> tuple[FlatShard, list[int]]:
+        """FlatShard k of the parameters `ids`, laid out group by group; and the ids in that order."""
+        ids = order_by_group(ids, self._group_of)
+        shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
+                          world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
+                          keep_full=keep_full, algorithm=self.collectives,
+                          groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups))
+        return shard, ids
 
     def _check_used(self, used_here: list[bool]) -> None:
         """Refuse parameters that got no gradient in a synced backward, where native DDP would
@@ -189,17 +227,27 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """With a mesh: chain the all_reduce of `reduced` across the replicas behind `handle`."""
         return handle if self._replicas is None else self._replicas.after(handle, reduced)
 
-    def _make_optimizer(self, optimizer_factory: Callable) -> None:
+    def _make_optimizer(self, optimizer) -> None:
         # Once the parameters are views into the flat shards (their compute dtype): after each synced
         # backward .grad refuses to be read (sharded_grad.py), and model.state_dict() /
         # load_state_dict() behave as with native DDP (module_state.py).
         self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage)
         ModuleStateHooks(self)
-        self.optimizer = optimizer_factory([s.master for s in self._shards])
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer_factory returned {type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+        self._found_inf = FoundInfAgreement(self._shards[0].device, {s.master.dtype for s in self._shards},
+                                            self.dp_group)
+        self._shard_optimizer = ShardOptimizer(
+            optimizer, self._shards, self._params, self._full_groups, extra_param=self._found_inf.param,
+            place={"rank": self.rank, "ranks": self.world_size, "stage": self.stage})
+        self.optimizer = self._shard_optimizer.optimizer
+        self._found_inf.attach(self.optimizer)
         self.optimizer.register_step_pre_hook(lambda *_: self._join_step())  # under Join: announce the step
         self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+        mark_wrapped(self.module, "ShardedDataParallel")
+
+    def _gradients_ready(self) -> None:
+        """After a synchronised backward: .grad placeholders, and the scaler's agreement, in place."""
+        self._grad_placeholders.place()
+        self._found_inf.place()
 
     def _after_optimizer_step(self) -> None:
         """Stages 1-2 gather the updated shards into the full parameters; stage 3 does it lazily."""
@@ -216,17 +264,23 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         return self._cast_inputs(args, kwargs)
 
     def _cast_inputs(self, args, kwargs):
-        if self.param_dtype is None:
+        if self.param_dtype is None or not self.cast_forward_inputs:
             return args, kwargs
         cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    def _cast_output(self, out):
+        """mp_policy's output_dtype: floating outputs (nested in tuples, lists, dicts) cast to it."""
+        if self.output_dtype is None:
+            return out
+        return tree_map_only(torch.Tensor, lambda t: t.to(self.output_dtype) if t.is_floating_point() else t, out)
 
     # ------------------------------------------------------------------ public API
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients by the global norm over all shards (as if unsharded); return that norm."""
         self._join_clip(max_norm, norm_type)  # under Join: the ranks that left take part in the norm
-        grads = [s.master.grad for s in self._shards if s.master.grad is not None]
+        grads = [g for s in self._shards for g in s.grads()]
         device = self._shards[0].device
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
@@ -262,6 +316,31 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             out[key] = values[id(value)] if id(value) in values else value.detach().clone()
         return out
 
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer | None = None,
+                              rank0_only: bool = False) -> dict:
+        """The optimizer's whole state, unsharded: what a torch optimizer of the same class over
+        the module's parameters (the param groups the optimizer was built with) would return from
+        state_dict(), so a script's one-file checkpoint stays one file, loadable here at any
+        world size (`model.optimizer.load_state_dict(it)` on every rank) and by native DDP.
+
+        A collective: every rank must call it. With rank0_only, other ranks get {}. `optimizer`,
+        if given, must be model.optimizer (so the call reads as DataParallel's)."""
+        self._check_is_ours(optimizer)
+        self.wait_for_parameters()
+        return self._shard_optimizer.full_state_dict(rank0_only, self.rank)
+
+    def load_full_optim_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load what full_optim_state_dict() (or a native optimizer over the same param groups)
+        saved: each rank keeps its own slice, no communication. The same as
+        model.optimizer.load_state_dict(state)."""
+        self._check_is_ours(optimizer)
+        self.optimizer.load_state_dict(state)
+
+    def _check_is_ours(self, optimizer) -> None:
+        if optimizer is not None and optimizer is not self.optimizer:
+            raise ValueError("ShardedDataParallel: that optimizer is not model.optimizer, the one that steps this "
+                             "model's shards")
+
     def sharded_state_dict(self) -> dict:
         """This rank's shards of the parameters and optimizer state, per parameter, with metadata.
 
@@ -269,27 +348,19 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         saved at one world size load at any other (see load_sharded_state_dict).
         """
         self.wait_for_parameters()  # nothing of ours still in flight while the state is read
-        opt_state = self.optimizer.state_dict()
         params: dict[str, list] = {}
-        optim: dict[str, dict[str, list]] = {}
-        scalars: dict[int, dict] = {}
-        for k, shard in enumerate(self._shards):
+        for shard in self._shards:
             for name, piece in shard.owned_pieces(shard.master).items():
                 params.setdefault(name, []).append(piece)
-            state = opt_state["state"].get(k, {})
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.shape == shard.master.shape:
-                    for name, piece in shard.owned_pieces(value).items():
-                        optim.setdefault(key, {}).setdefault(name, []).append(piece)
-                else:
-                    scalars.setdefault(k, {})[key] = value.clone() if torch.is_tensor(value) else value
+        optim, scalars = self._shard_optimizer.owned_state()
         shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
         return {
             "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
             # with a mesh, world_size/rank are the shard group's: every replica holds the same shards
             "mesh": None if self.mesh is None else [self.mesh.replicate, self.mesh.shard],
             "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
-            "param_groups": opt_state["param_groups"],
+            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                             for g in self.optimizer.param_groups],
             "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
                            if not any(v is p for p in self._params)},
         }
@@ -313,18 +384,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         params = merge("params")
         for shard in self._shards:
             shard.fill_from_pieces(shard.master.data, params)
-        # Optimizer: rebuild its state_dict for this layout, then let torch load it.
-        opt_sd = {"state": {}, "param_groups": states[0]["param_groups"]}
-        for key in states[0]["optim"]:
-            pieces = {n: [p for s in states for p in s["optim"][key].get(n, [])] for n in mine}
-            for k, shard in enumerate(self._shards):
-                t = torch.zeros_like(shard.master.data, dtype=torch.float32)
-                shard.fill_from_pieces(t, pieces)
-                opt_sd["state"].setdefault(k, {})[key] = t
-        for k in range(len(self._shards)):
-            for key, value in states[0]["optim_scalars"].get(k, states[0]["optim_scalars"].get(str(k), {})).items():
-                opt_sd["state"].setdefault(k, {})[key] = value
-        self.optimizer.load_state_dict(opt_sd)
+        self._shard_optimizer.load_owned_state(states)
         with torch.no_grad():
             own = self.module.state_dict(keep_vars=True)
             for key, value in states[0]["replicated"].items():
@@ -348,7 +408,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         })
 
     def _gradient_tensors(self) -> list[torch.Tensor]:
-        return [s.master.grad for s in self._shards if s.master.grad is not None]
+        return [g for s in self._shards for g in s.grads()]
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return []
@@ -364,34 +424,34 @@ class ShardBucket(Bucket):
 class ZeroStage12(ShardedDataParallel):
     """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
 
-    def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 2,
+    def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool | None = None, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
-                 find_unused_parameters: bool = False, **unused):
+                 find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = False,
+                 **unused):
         nn.Module.__init__(self)
-        if unused:
-            stage3 = {"unit_policy", "min_unit_params", "prefetch"}
-            raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: "
-                             + ("those size and prefetch stage 3's units; stages 1-2 reduce in buckets "
-                                "(bucket_cap_mb). Use stage=3 for units." if set(unused) <= stage3 else
-                                f"unknown argument(s); see help(ShardedDataParallel)."))
+        stage3 = {"unit_policy", "min_unit_params", "prefetch"}
+        if unused and set(unused) <= stage3:
+            raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: those size and "
+                             "prefetch stage 3's units; stages 1-2 reduce in buckets (bucket_cap_mb). Use stage=3 "
+                             "for units.")
+        refuse_unknown("ShardedDataParallel", unused)
+        check_reshard_after_forward(reshard_after_forward, stage)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if stage == 1 and overlap:
             raise ValueError("ShardedDataParallel(stage=1) does not take overlap=True: stage 1 keeps full-size "
                              "gradients and reduce_scatters them after backward. Use stage=2 to reduce during "
                              "backward.")
-        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives, mesh)
+        self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
+                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy)
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
         self._shards, buckets = [], []
         for k, ids in enumerate(plan):
-            shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids],
-                              rank=self.rank, world_size=self.world_size, group=self.process_group,
-                              compute_dtype=param_dtype, keep_full=True, algorithm=collectives)
-            bucket = ShardBucket(k, list(ids), buffer=None, views=[], process_group=self.process_group,
+            shard, ids = self._flat_shard(k, ids, keep_full=True)
+            bucket = ShardBucket(k, ids, buffer=None, views=[], process_group=self.process_group,
                                  world_size=self.world_size)
             bucket.shard = shard
             self._shards.append(shard)
@@ -413,7 +473,7 @@ class ZeroStage12(ShardedDataParallel):
         self._watch_parameter_use()
         # Stage 2's full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
         self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
-        self._make_optimizer(optimizer_factory)
+        self._make_optimizer(optimizer)
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
@@ -423,7 +483,7 @@ class ZeroStage12(ShardedDataParallel):
             self.wait_for_parameters()
         out = self.module(*args, **kwargs)
         self.wait_for_parameters()  # parameters forward did not use: current now too
-        return out
+        return self._cast_output(out)
 
     def _watch_parameter_use(self) -> None:
         """A pre-forward hook on every module that owns parameters: wait for the gathers of its buckets."""
@@ -472,9 +532,9 @@ class ZeroStage12(ShardedDataParallel):
             # The reduced gradient of stage 1 is a view into the bucket, which this backward
             # overwrites: keep a copy if the user is accumulating across optimizer steps.
             for k, shard in enumerate(self._shards):
-                if shard.master.grad is not None:
-                    self._stash[k] = shard.master.grad.clone()
-                    shard.master.grad = None
+                grad = shard.take_grad()
+                if grad is not None:
+                    self._stash[k] = grad
 
     def _fill_slot(self, i: int, bucket: ShardBucket, k: int) -> None:
         if bucket.buffer is None:
@@ -519,13 +579,10 @@ class ZeroStage12(ShardedDataParallel):
             bucket.reduced = None
             if k in self._stash:
                 grad = grad + self._stash.pop(k)
-            if shard.master.grad is None:
-                shard.master.grad = grad
-            else:
-                shard.master.grad.add_(grad)
+            shard.add_grad(grad)
             if self.stage == 2:
                 self._release(bucket)
-        self._grad_placeholders.place()
+        self._gradients_ready()
         self._check_used(self._backward.used)  # this rank's flags (flag_unused_anywhere=False)
 
     # -- after the optimizer step

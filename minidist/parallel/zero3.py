@@ -1,8 +1,9 @@
 """ZeRO stage 3: parameters sharded too, gathered per unit just before they are needed.
 
-The model is cut into units (by default: the largest submodules with at least
-`min_unit_params` parameters, e.g. each transformer block; parameters outside
-every unit — embeddings, final norm, a tied output head — form the root unit).
+The model is cut into units: by default its repeated blocks (each transformer layer, each
+ResNet block: where FSDP2 users call fully_shard), or the largest submodules with at least
+`min_unit_params` parameters, or what `unit_policy` picks; parameters outside every unit —
+embeddings, final norm, a tied output head — form the root unit.
 Each rank stores 1/N of every unit. Per training step, for every unit:
 
     forward:   all_gather its shard  -> run its forward -> free the full parameters
@@ -31,18 +32,47 @@ from minidist import comm
 from minidist.buckets import BufferPool
 from minidist.parallel.eager import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.native_args import check_reshard_after_forward, refuse_unknown
 from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
 from minidist.parallel.zero_join import tensors_in
 
 
+SIZE_RULE_PARAMS = 100_000  # the default's fallback for a model without repeated blocks
+
+
+def repeated_blocks(module: nn.Module, wanted: set[int]) -> set[int]:
+    """The ids of the model's repeated blocks: children of a container (ModuleList, Sequential,
+    ModuleDict) of which at least two, of one class, hold trainable parameters (a transformer's
+    layers, a ResNet stage's blocks) — where FSDP2 users call fully_shard."""
+    out: set[int] = set()
+    for m in module.modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue
+        trained = [c for c in m.children() if any(id(p) in wanted for p in c.parameters())]
+        for c in trained:
+            if sum(type(other) is type(c) for other in trained) >= 2:
+                out.add(id(c))
+    return out
+
+
 def plan_units(module: nn.Module, trainable: list[nn.Parameter], policy: Callable[[str, nn.Module], bool] | None,
-               min_unit_params: int) -> list[tuple[str, nn.Module]]:
-    """The submodules that become units, outermost first; everything else belongs to the root."""
+               min_unit_params: int | None) -> list[tuple[str, nn.Module]]:
+    """The submodules that become units, outermost first; everything else belongs to the root.
+
+    By `policy(name, module)` if given, else each submodule of at least `min_unit_params`
+    parameters, else (both None) the model's repeated blocks (repeated_blocks), or for a model
+    without any, the submodules of at least SIZE_RULE_PARAMS."""
     uses: dict[int, int] = {}
     for _, p in module.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     wanted = {id(p) for p in trainable}
+    if policy is None and min_unit_params is None:
+        blocks = repeated_blocks(module, wanted)
+        if blocks:
+            policy = lambda name, m: id(m) in blocks  # noqa: E731
+        else:
+            min_unit_params = SIZE_RULE_PARAMS
 
     def self_contained(m: nn.Module) -> bool:
         inside: dict[int, int] = {}
@@ -85,16 +115,22 @@ class _Unit:
 
 
 class ZeroStage3(ShardedDataParallel):
-    """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params, prefetch,
-    max_inflight (units whose gradients may be in reduction at once)."""
+    """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params (None with no
+    policy: the repeated blocks, see plan_units), prefetch, max_inflight (units whose gradients may
+    be in reduction at once), reshard_after_forward (False: keep each unit gathered from its
+    forward to its backward, as FSDP2's option)."""
 
-    def __init__(self, module: nn.Module, optimizer_factory: Callable, *, stage: int = 3, process_group=None,
+    def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 3, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int = 100_000,
+                 unit_policy: Callable[[str, nn.Module], bool] | None = None, min_unit_params: int | None = None,
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
                  overlap: bool | None = None, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = None,
+                 **unused):
         nn.Module.__init__(self)
+        refuse_unknown("ShardedDataParallel", unused)
+        # FSDP2's ZeRO-2-like mode when False: each unit stays gathered from its forward to its backward.
+        self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward, stage)
         if bucket_cap_mb is not None:
             raise ValueError(f"ShardedDataParallel(stage=3) does not take bucket_cap_mb={bucket_cap_mb}: stage 3 "
                              "gathers and reduces one unit (a block of layers) at a time, not buckets. Size the "
@@ -106,8 +142,8 @@ class ZeroStage3(ShardedDataParallel):
                 "parameter unused on some ranks changes that order there, so the ranks' collectives would not "
                 "line up (native FSDP2 has the same restriction). Use stage 1 or 2, or set "
                 "requires_grad=False on parameters no rank uses.")
-        self._setup_common(module, optimizer_factory, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives, mesh)
+        self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
+                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy)
         self.find_unused_parameters = False
         self._got_grad = [False] * len(self._params)  # in this backward
         self.prefetch = prefetch and overlap is not False
@@ -125,9 +161,7 @@ class ZeroStage3(ShardedDataParallel):
         if root_ids:
             groups.insert(0, ("<root>", None, root_ids))
         for k, (name, sub, ids) in enumerate(groups):
-            shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
-                              world_size=self.world_size, group=self.process_group, compute_dtype=param_dtype,
-                              keep_full=False, algorithm=collectives)
+            shard, ids = self._flat_shard(k, ids, keep_full=False)
             self._units.append(_Unit(name, sub, shard, ids))
         self._root = self._units[0] if root_ids else None
         self._shards = [u.shard for u in self._units]
@@ -146,7 +180,7 @@ class ZeroStage3(ShardedDataParallel):
         # Full-size gradient buffers for reduce_scatter, reused; each can hold any unit's gradients.
         self._pool = BufferPool(capacity=max(u.shard.padded for u in self._units))
         mark_hooked(module)
-        self._make_optimizer(optimizer_factory)
+        self._make_optimizer(optimizer)
 
     @property
     def unit_names(self) -> list[str]:
@@ -185,7 +219,7 @@ class ZeroStage3(ShardedDataParallel):
         self._enter_forward()
         out = self.module(*args, **kwargs)
         self._leave_forward(out)
-        return out
+        return self._cast_output(out)
 
     @eager
     def _enter_forward(self) -> None:
@@ -199,7 +233,7 @@ class ZeroStage3(ShardedDataParallel):
     def _leave_forward(self, out) -> None:
         if self._root is not None:
             self._watch_backward(self._root, out)
-            self._reshard(self._root)
+            self._reshard_after_forward(self._root)
         self._last_order = self._order
 
     def _make_pre_forward(self, u: _Unit):
@@ -214,8 +248,13 @@ class ZeroStage3(ShardedDataParallel):
         @eager
         def hook(module, inputs, output):
             self._watch_backward(u, output)
-            self._reshard(u)
+            self._reshard_after_forward(u)
         return hook
+
+    def _reshard_after_forward(self, u: _Unit) -> None:
+        # Kept gathered for its backward only when one will come (reshard_after_forward=False).
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._reshard(u)
 
     # ------------------------------------------------------------------ backward
 
@@ -293,11 +332,7 @@ class ZeroStage3(ShardedDataParallel):
         """Wait for u's reduce_scatter, add the result to its master gradient, recycle the buffer."""
         with torch.no_grad():
             u.reduce_handle.wait()
-            grad = u.reduced.to(u.shard.master.dtype)  # no copy when the dtypes match
-            if u.shard.master.grad is None:
-                u.shard.master.grad = grad
-            else:
-                u.shard.master.grad.add_(grad)
+            u.shard.add_grad(u.reduced.to(u.shard.master.dtype))  # no copy when the dtypes match
         self._pool.put(u.staging)
         u.staging = u.reduced = u.reduce_handle = None
         self._inflight.remove(u)
@@ -318,7 +353,7 @@ class ZeroStage3(ShardedDataParallel):
                         self._reduce(u)
                 while self._inflight:
                     self._complete(self._inflight[0])
-                self._grad_placeholders.place()
+                self._gradients_ready()
         finally:
             self._in_backward = False
             for u in self._units:
@@ -326,6 +361,12 @@ class ZeroStage3(ShardedDataParallel):
                     u.gather_handle.wait()
                     u.gather_handle = None
                 self._reshard(u)
+
+    def _after_optimizer_step(self) -> None:
+        """The next forward gathers the updated shards. A unit still gathered (reshard_after_forward=
+        False and a forward without backward) holds old values: freed, so it is gathered afresh."""
+        for u in self._units:
+            self._reshard(u)
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()

@@ -1,0 +1,350 @@
+"""The optimizer of ShardedDataParallel: the user's own, or one a factory builds, stepping this
+rank's master shards; and its state dicts.
+
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
+    model = ShardedDataParallel(net, opt, stage=2)    # opt now steps this rank's shards
+    ...; opt.step(); sched.step()                     # unchanged: the scheduler sets group["lr"]
+
+Adopting a built optimizer. Its parameter groups say which options each parameter gets, so the
+flat shards are laid out group by group and each rank's master shard is cut into one piece per
+group (flat_shard.py). The optimizer's groups are then rebound in place to their pieces: the
+object the script holds, and any scheduler built on it, steps the shards, with each group's
+options. State it already held (a checkpoint loaded before wrapping, as minGPT does) is re-cut
+into the shards. A factory (`functools.partial(torch.optim.AdamW, lr=3e-4)`) is the one-group
+case: it is called with the pieces.
+
+Only element-wise optimizers are exact on flat slices of many parameters (each element's update
+depends on its own gradient and state alone): SGD, Adam, AdamW and torch's other element-wise
+ones. Adafactor, Muon and LBFGS are not, and are refused; a class of your own is refused until
+you declare it element-wise (`register_elementwise_optimizer`).
+
+State dicts, as scripts use them:
+- `optimizer.state_dict()` holds this rank's shard, tagged with its place (rank, ranks, stage,
+  layout). `optimizer.load_state_dict()` loads it back at the same place and refuses any other
+  (the rank-0 snapshot every rank loads would otherwise give each rank rank 0's shard: the
+  padded shards have equal shapes, so nothing else would notice).
+- `full_state_dict()` (a collective) is the state an unsharded optimizer over the user's
+  parameters would hold, numbered as its groups list them: what a native DDP script's
+  `optimizer.state_dict()` saves. `optimizer.load_state_dict()` of such a full state (ours, or
+  a native optimizer's over the same groups) works on every rank: each takes its own slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+ELEMENTWISE_OPTIMIZERS: set[type] = {
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.ASGD,
+}
+# What makes each of these inexact on a flat slice of several parameters.
+NOT_ELEMENTWISE = {
+    "Adafactor": "factors the second moment of each matrix into row and column statistics",
+    "Muon": "orthogonalises each weight matrix's update as a whole",
+    "LBFGS": "takes one line-search step over all parameters at once, with a closure",
+    "SparseAdam": "needs sparse gradients",
+}
+TAG = "minidist_shard"  # the key of the place tag in a per-rank optimizer state_dict
+
+
+def register_elementwise_optimizer(cls: type) -> type:
+    """Declare `cls` (a torch.optim.Optimizer subclass) element-wise: every element's update
+    depends only on that element's gradient, its own state and per-step scalars. Usable as a
+    class decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"register_elementwise_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}")
+    ELEMENTWISE_OPTIMIZERS.add(cls)
+    return cls
+
+
+def check_elementwise(cls: type) -> None:
+    """Raise unless `cls` steps a flat slice of many parameters exactly as it steps them one by one."""
+    if cls.__name__ in NOT_ELEMENTWISE:
+        raise TypeError(
+            f"ShardedDataParallel cannot shard {cls.__name__}: it {NOT_ELEMENTWISE[cls.__name__]}, and each rank "
+            "steps a flat slice cut across parameters, so its updates would silently differ. Use "
+            "minidist.DataParallel with it, or an element-wise optimizer (SGD, Adam, AdamW, ...).")
+    if not any(issubclass(cls, known) for known in ELEMENTWISE_OPTIMIZERS):
+        raise TypeError(
+            f"ShardedDataParallel: {cls.__module__}.{cls.__qualname__} is not known to be element-wise. Each rank "
+            "steps a flat slice cut across parameters, which is exact only when every element's update depends "
+            "on its own gradient and state alone (SGD, Adam, AdamW, ...). If yours is, declare it: "
+            f"minidist.parallel.register_elementwise_optimizer({cls.__name__}); otherwise use minidist.DataParallel.")
+
+
+def parameter_groups(optimizer, module: nn.Module, trainable: list[nn.Parameter], names: list[str]):
+    """(the optimizer group of each trainable parameter, the groups' parameters as given).
+
+    A factory has one group: every parameter of the module. A built optimizer must hold every
+    trainable parameter of the module and nothing else."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(f"ShardedDataParallel: optimizer must be a torch.optim.Optimizer built over the "
+                            f"module's parameters, or a factory such as functools.partial(torch.optim.AdamW, "
+                            f"lr=3e-4); got {type(optimizer).__name__}")
+        return [0] * len(trainable), [list(module.parameters())]
+    check_elementwise(type(optimizer))
+    given = [list(g["params"]) for g in optimizer.param_groups]
+    group_of_id = {id(p): g for g, params in enumerate(given) for p in params}
+    in_module = {id(p) for p in module.parameters()}
+    foreign = [p for params in given for p in params if id(p) not in in_module]
+    if foreign:
+        raise ValueError(
+            f"ShardedDataParallel: the optimizer holds {len(foreign)} tensor(s) that are not parameters of the "
+            f"wrapped module (the first has shape {list(foreign[0].shape)}). Build it over the module's own "
+            "parameters (net.parameters(), or param groups of them), before wrapping.")
+    missing = [n for n, p in zip(names, trainable) if id(p) not in group_of_id]
+    if missing:
+        raise ValueError(
+            f"ShardedDataParallel: the optimizer does not hold these trainable parameters: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}. Native DDP would leave them unchanged; a shard steps all its "
+            "elements, so add them to a param group, or set requires_grad=False on them before wrapping.")
+    return [group_of_id[id(p)] for p in trainable], given
+
+
+class ShardOptimizer:
+    """The optimizer over `shards`' pieces, for one ShardedDataParallel: binds it, tags and checks
+    its per-rank state dicts, gathers and re-cuts its full state.
+
+    `full_groups`: the user's groups' parameters (a factory: the module's), whose order numbers
+    the full state; `group_of[i]`: the group of trainable parameter i (`params[i]`)."""
+
+    def __init__(self, optimizer, shards: list, params: list[nn.Parameter], full_groups: list[list[nn.Parameter]],
+                 place: dict, extra_param: nn.Parameter | None = None):
+        self.shards = shards
+        self.full_groups = full_groups
+        self.place = {**place, "layout": _layout_fingerprint(shards)}
+        self._slot_of = {id(p): (shard, slot) for shard in shards for slot, p in zip(shard.slots, shard.params)}
+        pieces_of_group = [[s.pieces[g] for s in shards] for g in range(len(full_groups))]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            held = optimizer.state_dict() if any(optimizer.state.values()) else None
+            self.group_names = [g.get("param_names") for g in optimizer.param_groups]
+            for g, group in enumerate(optimizer.param_groups):  # rebind: the user's object steps the shards
+                group["params"] = list(pieces_of_group[g])
+                if "param_names" in group:
+                    group["param_names"] = [f"<shard {k} of group {g}>" for k in range(len(shards))]
+            optimizer.state.clear()
+            self.optimizer = optimizer
+        else:
+            held, self.group_names = None, [None]
+            self.optimizer = optimizer(pieces_of_group[0])
+            if not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"the optimizer factory returned {type(self.optimizer).__name__}, not a "
+                                "torch.optim.Optimizer")
+            check_elementwise(type(self.optimizer))
+        if extra_param is not None:  # GradScaler's agreement (scaler_agreement.py): in the last group
+            last = self.optimizer.param_groups[-1]
+            last["params"].append(extra_param)
+            if "param_names" in last:
+                last["param_names"].append("<found-inf agreement>")
+        self.optimizer.register_state_dict_post_hook(self._tag)
+        self.optimizer.register_load_state_dict_pre_hook(self._check_or_recut)
+        if held is not None:
+            self.optimizer.load_state_dict(held)  # a full state, re-cut (see _check_or_recut)
+
+    # ------------------------------------------------------------------ per-rank state dicts
+
+    def _tag(self, optimizer, state_dict: dict) -> dict:
+        state_dict[TAG] = dict(self.place)
+        return state_dict
+
+    def _check_or_recut(self, optimizer, state_dict: dict) -> dict:
+        saved = state_dict.get(TAG)
+        if saved is None:
+            return self.shard_of_full(state_dict)
+        if saved != self.place:
+            raise ValueError(
+                f"optimizer.load_state_dict: this state is the shard of rank {saved.get('rank')} of "
+                f"{saved.get('ranks')} under ShardedDataParallel(stage={saved.get('stage')}), but this optimizer is "
+                f"the shard of rank {self.place['rank']} of {self.place['ranks']} (stage {self.place['stage']})"
+                + ("" if saved.get("layout") == self.place["layout"] else ", with another layout") +
+                ". A ZeRO optimizer's state_dict() holds only its own rank's shard, so a file saved by one rank "
+                "cannot restore the others. For one file every rank can load, save model.full_optim_state_dict() "
+                "(a collective: call it on every rank, then torch.save on rank 0) and load it with "
+                "optimizer.load_state_dict() on every rank; or save each rank's optimizer.state_dict() to a file "
+                "of its own; or use model.sharded_state_dict() (reloads at any world size).")
+        return {k: v for k, v in state_dict.items() if k != TAG}
+
+    # ------------------------------------------------------------------ the sharded checkpoint
+
+    def owned_state(self) -> tuple[dict, dict]:
+        """For sharded_state_dict: this rank's per-element state as per-parameter pieces
+        ({key: {name: [(start, values)]}}), and each shard's per-step scalars, one dict per group."""
+        optim: dict[str, dict[str, list]] = {}
+        scalars: dict[int, list[dict]] = {}
+        for k, shard in enumerate(self.shards):
+            states = [self.optimizer.state.get(piece, {}) for piece in shard.pieces]
+            for key in _per_element_keys(states, shard.pieces):
+                for name, piece in shard.owned_pieces(_flat_state(shard, states, key)).items():
+                    optim.setdefault(key, {}).setdefault(name, []).append(piece)
+            scalars[k] = [{key: v.clone() if torch.is_tensor(v) else v for key, v in st.items()
+                           if not _elementwise(v, piece)} for st, piece in zip(states, shard.pieces)]
+        return optim, scalars
+
+    def load_owned_state(self, saved: list[dict]) -> None:
+        """Load the optimizer part of sharded_state_dict()s (one, or every saved rank's: re-cut)."""
+        first = saved[0]
+        names = [slot.name for s in self.shards for slot in s.slots]
+        state: dict[int, dict] = {}
+        for key in first["optim"]:
+            pieces = {n: [p for s in saved for p in s["optim"][key].get(n, [])] for n in names}
+            for k, shard in enumerate(self.shards):
+                flat = torch.zeros(shard.shard_size, dtype=torch.float32)
+                shard.fill_from_pieces(flat, pieces)
+                for g, (a, b) in enumerate(shard.piece_bounds):
+                    state.setdefault(self.piece_index(g, k), {})[key] = flat[a:b].clone()
+        saved_scalars = first["optim_scalars"]
+        for k, shard in enumerate(self.shards):
+            per_group = saved_scalars.get(k, saved_scalars.get(str(k)))
+            if per_group is None:  # another shard count (stage 3's units vs buckets): any shard's, they agree
+                per_group = next(iter(saved_scalars.values()), {})
+            if isinstance(per_group, dict):  # written before param groups: one dict for the one group
+                per_group = [per_group]
+            for g in range(len(shard.pieces)):
+                state.setdefault(self.piece_index(g, k), {}).update(per_group[min(g, len(per_group) - 1)])
+        self.optimizer.load_state_dict(self.packed(state, first["param_groups"]))
+
+    def piece_index(self, g: int, k: int) -> int:
+        """Where piece g of shard k stands in the optimizer's numbering (group by group)."""
+        return sum(len(group["params"]) for group in self.optimizer.param_groups[:g]) + k
+
+    def packed(self, state: dict[int, dict], saved_groups: list[dict]) -> dict:
+        """A state_dict of this optimizer's own layout, with the groups' options as saved."""
+        groups, index = [], 0
+        for g, group in enumerate(self.optimizer.param_groups):
+            options = saved_groups[g] if g < len(saved_groups) else group
+            n = len(group["params"])
+            groups.append({**{k: v for k, v in options.items() if k not in ("params", "param_names")},
+                           "params": list(range(index, index + n))})
+            index += n
+        return {"state": state, "param_groups": groups, TAG: dict(self.place)}
+
+    # ------------------------------------------------------------------ the full state
+
+    def full_state_dict(self, rank0_only: bool = False, rank: int = 0) -> dict:
+        """The state of an unsharded optimizer of the same class over the user's parameters (its
+        groups, their options, per-parameter tensors of the parameters' shapes). A collective over
+        the shard group: every rank calls it. With rank0_only, ranks other than 0 get {}."""
+        opt = self.optimizer
+        values: dict[int, dict] = {}  # id(parameter) -> its full state
+        for shard in self.shards:
+            states = [opt.state.get(piece, {}) for piece in shard.pieces]
+            for key in _per_element_keys(states, shard.pieces):
+                full = shard.gather_flat(_flat_state(shard, states, key))
+                for slot, p in zip(shard.slots, shard.params):
+                    values.setdefault(id(p), {})[key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for slot, p, g in zip(shard.slots, shard.params, shard.groups):
+                for key, value in states[g].items():
+                    if not _elementwise(value, shard.pieces[g]):
+                        values.setdefault(id(p), {})[key] = value.clone() if torch.is_tensor(value) else value
+        if rank0_only and rank != 0:
+            return {}
+        state, groups, index = {}, [], 0
+        for g, params in enumerate(self.full_groups):
+            options = {k: v for k, v in opt.param_groups[g].items() if k not in ("params", "param_names")}
+            ids = list(range(index, index + len(params)))
+            for i, p in zip(ids, params):
+                if id(p) in values:
+                    state[i] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in values[id(p)].items()}
+            group = {**options, "params": ids}
+            if self.group_names[g] is not None:
+                group["param_names"] = list(self.group_names[g])
+            groups.append(group)
+            index += len(params)
+        return {"state": state, "param_groups": groups}
+
+    def shard_of_full(self, full: dict) -> dict:
+        """This rank's per-piece state dict, cut from a full one (no communication)."""
+        if not (isinstance(full, dict) and isinstance(full.get("state"), dict)
+                and isinstance(full.get("param_groups"), list)):
+            raise ValueError("optimizer.load_state_dict: expected a dict with 'state' and 'param_groups' (a torch "
+                             "optimizer's state_dict)")
+        saved_groups = full["param_groups"]
+        sizes = [len(g) for g in self.full_groups]
+        if [len(g.get("params", ())) for g in saved_groups] != sizes:
+            raise ValueError(
+                f"optimizer.load_state_dict: the state holds groups of {[len(g.get('params', ())) for g in saved_groups]}"
+                f" parameters, this optimizer's groups have {sizes}: it was saved by an optimizer over other "
+                "parameters or param groups.")
+        by_param: dict[int, dict] = {}
+        for g, (params, saved) in enumerate(zip(self.full_groups, saved_groups)):
+            for p, i in zip(params, saved["params"]):
+                st = full["state"].get(i, full["state"].get(str(i)))
+                if st:
+                    by_param[id(p)] = st
+        # Which keys hold one value per element (exp_avg), told by parameters with at least one
+        # dimension; the others (step) are per-step scalars, also for a 0-dim parameter.
+        per_element = {key for params in self.full_groups for p in params if p.dim() >= 1
+                       for key, v in by_param.get(id(p), {}).items()
+                       if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)}
+        pieces_state: dict[int, dict] = {}
+        for g, k in [(g, k) for g in range(len(self.full_groups)) for k in range(len(self.shards))]:
+            shard = self.shards[k]
+            a, b = shard.piece_bounds[g]
+            st = {}
+            members = [(slot, p) for slot, p, gi in zip(shard.slots, shard.params, shard.groups) if gi == g]
+            sources = [by_param[id(p)] for _, p in members if id(p) in by_param]
+            if sources or any(id(p) in by_param for p in self.full_groups[g]):
+                template = sources[0] if sources else next(by_param[id(p)] for p in self.full_groups[g]
+                                                           if id(p) in by_param)
+                for key, value in template.items():
+                    if key in per_element:
+                        flat = torch.zeros(shard.shard_size, dtype=value.dtype)
+                        for slot, p in members:
+                            self._cut_into(flat, shard, slot, by_param.get(id(p), {}).get(key), key)
+                        st[key] = flat[a:b].clone()
+                    else:
+                        st[key] = value.clone() if torch.is_tensor(value) else value
+            if st:
+                pieces_state[self.piece_index(g, k)] = st
+        packed = self.packed(pieces_state, saved_groups)
+        del packed[TAG]  # what the pre-hook returns goes straight to torch
+        return packed
+
+    @staticmethod
+    def _cut_into(flat: torch.Tensor, shard, slot, value, key: str) -> None:
+        """Copy this rank's part of one parameter's full state `value` into the shard-sized `flat`."""
+        if value is None:
+            return
+        if tuple(value.shape) != slot.shape:
+            raise ValueError(f"optimizer.load_state_dict: state {key!r} of parameter {slot.name!r} has shape "
+                             f"{list(value.shape)}, the parameter has {list(slot.shape)}")
+        lo, hi = max(slot.offset, shard.lo), min(slot.offset + slot.numel, shard.hi)
+        if lo < hi:
+            flat[lo - shard.lo:hi - shard.lo].copy_(value.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+
+
+def _elementwise(value, piece: torch.Tensor) -> bool:
+    """A per-element state of `piece` (exp_avg, momentum_buffer), not a per-step scalar (step)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == piece.shape
+
+
+def _per_element_keys(states: list[dict], pieces: list[torch.Tensor]) -> list[str]:
+    """The per-element state keys of one shard's pieces, in an order every rank shares."""
+    return sorted({k for st, piece in zip(states, pieces) for k, v in st.items() if _elementwise(v, piece)})
+
+
+def _flat_state(shard, states: list[dict], key: str) -> torch.Tensor:
+    """One shard-sized tensor of state `key`, from the pieces that hold it (zeros elsewhere)."""
+    dtype = next(st[key].dtype for st in states if key in st)
+    flat = torch.zeros_like(shard.master, dtype=dtype)
+    for st, (a, b) in zip(states, shard.piece_bounds):
+        if key in st:
+            flat[a:b].copy_(st[key])
+    return flat
+
+
+def _layout_fingerprint(shards: list) -> str:
+    """What must be equal for one rank's per-piece state to fit another optimizer."""
+    desc = [(s.world_size, s.padded, s.piece_bounds, [(slot.name, slot.offset) for slot in s.slots]) for s in shards]
+    return hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
+
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
