@@ -47,8 +47,6 @@ Pair = collections.namedtuple("Pair", "logits hidden")
 
 # (idiom or model, strategy family) -> a phrase the error must contain: the supported way it names.
 REFUSALS = {
-    ("torch_clip", "sharded"): "model.clip_grad_norm_",
-    ("grad_norm_log", "sharded"): "model.clip_grad_norm_",
     ("state_dict", "stage3"): "full_state_dict",
     ("grad_penalty", "stage3"): "create_graph",
     # unused on every rank at some steps: native's optimizer skips it, a flat shard cannot

@@ -121,6 +121,17 @@ class FlatShard:
             else:
                 p.grad.add_(flat[a:b])
 
+    def owned_grad(self, k: int) -> torch.Tensor | None:
+        """This rank's part of slot k's gradient (a view into its group's piece), or None where
+        this rank owns none of the parameter or the piece has no gradient."""
+        slot, g = self.slots[k], self.groups[k]
+        lo, hi = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
+        grad = self.pieces[g].grad
+        if lo >= hi or grad is None:
+            return None
+        start = lo - self.lo - self.piece_bounds[g][0]
+        return grad[start:start + hi - lo]
+
     def take_grad(self) -> torch.Tensor | None:
         """The pieces' gradient as one shard-sized copy (None if they have none); clears them."""
         if all(p.grad is None for p in self.pieces):

@@ -28,7 +28,8 @@ State dicts, as scripts use them:
 - `full_state_dict()` (a collective) is the state an unsharded optimizer over the user's
   parameters would hold, numbered as its groups list them: what a native DDP script's
   `optimizer.state_dict()` saves. `optimizer.load_state_dict()` of such a full state (ours, or
-  a native optimizer's over the same groups) works on every rank: each takes its own slice.
+  a native optimizer's over the same groups, or DCP's full optimizer state of a fully_shard
+  model, keyed by parameter name) works on every rank: each takes its own slice.
 """
 
 from __future__ import annotations
@@ -114,14 +115,14 @@ class ShardOptimizer:
     its per-rank state dicts, gathers and re-cuts its full state.
 
     `full_groups`: the user's groups' parameters (a factory: the module's), whose order numbers
-    the full state; `group_of[i]`: the group of trainable parameter i (`params[i]`)."""
+    the full state; `param_names`: their names, which number DCP's full state instead."""
 
-    def __init__(self, optimizer, shards: list, params: list[nn.Parameter], full_groups: list[list[nn.Parameter]],
+    def __init__(self, optimizer, shards: list, full_groups: list[list[nn.Parameter]], param_names: dict[int, str],
                  place: dict, extra_param: nn.Parameter | None = None):
         self.shards = shards
+        self.param_names = param_names  # id(parameter) -> its name in the plain module (DCP's keys)
         self.full_groups = full_groups
         self.place = {**place, "layout": _layout_fingerprint(shards)}
-        self._slot_of = {id(p): (shard, slot) for shard in shards for slot, p in zip(shard.slots, shard.params)}
         pieces_of_group = [[s.pieces[g] for s in shards] for g in range(len(full_groups))]
         if isinstance(optimizer, torch.optim.Optimizer):
             held = optimizer.state_dict() if any(optimizer.state.values()) else None
@@ -146,8 +147,14 @@ class ShardOptimizer:
                 last["param_names"].append("<found-inf agreement>")
         self.optimizer.register_state_dict_post_hook(self._tag)
         self.optimizer.register_load_state_dict_pre_hook(self._check_or_recut)
-        if held is not None:
-            self.optimizer.load_state_dict(held)  # a full state, re-cut (see _check_or_recut)
+        if held is not None:  # a full state, re-cut (see _check_or_recut)
+            try:
+                self.optimizer.load_state_dict(held)
+            except ValueError as e:
+                raise ValueError(
+                    f"ShardedDataParallel: the optimizer already holds state that does not fit its parameters ({e}). "
+                    "Was it loaded before wrapping from a ShardedDataParallel optimizer's state_dict()? That is one "
+                    "rank's shard; save model.full_optim_state_dict() instead, which loads here or natively.") from None
 
     # ------------------------------------------------------------------ per-rank state dicts
 
@@ -275,7 +282,16 @@ class ShardOptimizer:
                 "parameters or param groups.")
         by_param: dict[int, dict] = {}
         for g, (params, saved) in enumerate(zip(self.full_groups, saved_groups)):
-            for p, i in zip(params, saved["params"]):
+            if all(isinstance(i, str) for i in saved["params"]):  # DCP's full state: keyed by parameter name
+                named = {self.param_names.get(id(p)): p for p in params}
+                unknown = [i for i in saved["params"] if i not in named]
+                if unknown:
+                    raise ValueError(f"optimizer.load_state_dict: group {g} of the state names parameters this "
+                                     f"optimizer's group {g} does not hold: {unknown[:3]}")
+                pairs = [(named[i], i) for i in saved["params"]]
+            else:
+                pairs = list(zip(params, saved["params"]))
+            for p, i in pairs:
                 st = full["state"].get(i, full["state"].get(str(i)))
                 if st:
                     by_param[id(p)] = st

@@ -47,7 +47,7 @@ from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.eager import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard, order_by_group
-from minidist.parallel.module_state import ModuleStateHooks
+from minidist.parallel.module_state import ModuleStateHooks, plain_module
 from minidist.parallel.native_args import (check_materialised, check_not_wrapped, check_reshard_after_forward,
                                            is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
                                            refuse_unknown)
@@ -231,18 +231,27 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         # Once the parameters are views into the flat shards (their compute dtype): after each synced
         # backward .grad refuses to be read (sharded_grad.py), and model.state_dict() /
         # load_state_dict() behave as with native DDP (module_state.py).
-        self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage)
+        slot_of = {id(p): (shard, k) for shard in self._shards for k, p in enumerate(shard.params)}
+        self._slot_of = [slot_of[id(p)] for p in self._params]
+        self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage, self._owned_grad,
+                                                       self.process_group, joined=lambda: self._join is not None)
         ModuleStateHooks(self)
         self._found_inf = FoundInfAgreement(self._shards[0].device, {s.master.dtype for s in self._shards},
                                             self.dp_group)
         self._shard_optimizer = ShardOptimizer(
-            optimizer, self._shards, self._params, self._full_groups, extra_param=self._found_inf.param,
+            optimizer, self._shards, self._full_groups, extra_param=self._found_inf.param,
+            param_names={id(p): n for n, p in plain_module(self.module).named_parameters()},
             place={"rank": self.rank, "ranks": self.world_size, "stage": self.stage})
         self.optimizer = self._shard_optimizer.optimizer
         self._found_inf.attach(self.optimizer)
         self.optimizer.register_step_pre_hook(lambda *_: self._join_step())  # under Join: announce the step
         self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
         mark_wrapped(self.module, "ShardedDataParallel")
+
+    def _owned_grad(self, i: int) -> torch.Tensor | None:
+        """This rank's slice of parameter i's averaged gradient (what its .grad placeholder stands for)."""
+        shard, k = self._slot_of[i]
+        return shard.owned_grad(k)
 
     def _gradients_ready(self) -> None:
         """After a synchronised backward: .grad placeholders, and the scaler's agreement, in place."""

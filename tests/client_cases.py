@@ -1,0 +1,69 @@
+"""The client scripts (tests/client_scripts/) run on every rank of a pool, as test_client_scripts.py
+compares them: each script straight through, and stopped and restarted from its own snapshot,
+under native DDP / fully_shard and under each minidist wrapper. Every function returns this
+rank's final states; the directory is the test's own (snapshots are shared files, as on disk).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "client_scripts"))
+
+import ddp_tutorial  # noqa: E402
+import fsdp2_example  # noqa: E402
+import mingpt  # noqa: E402
+
+
+def _between_runs():
+    dist.barrier()  # a restart: every rank sees the snapshot rank 0 wrote
+
+
+def tutorial(how: str, directory: str):
+    """4 epochs straight; 2 epochs, then a restart that resumes from the snapshot to epoch 4."""
+    straight = ddp_tutorial.main(4, 1, how, f"{directory}/{how}_straight.pt")
+    _between_runs()
+    ddp_tutorial.main(2, 1, how, f"{directory}/{how}_stopped.pt")
+    _between_runs()
+    resumed = ddp_tutorial.main(4, 1, how, f"{directory}/{how}_stopped.pt")
+    return straight, resumed
+
+
+def mingpt_runs(how: str, directory: str, grad_norm_clip: float):
+    """2 epochs straight; 1 epoch, then a restart that resumes (model, optimizer) to epoch 2."""
+    run = lambda epochs, name: mingpt.main(epochs, how, f"{directory}/{how}_{name}_{grad_norm_clip}.pt",  # noqa: E731
+                                           grad_norm_clip=grad_norm_clip)
+    straight = run(2, "straight")
+    _between_runs()
+    run(1, "stopped")
+    _between_runs()
+    return straight, run(2, "stopped")
+
+
+def fsdp2_runs(how: str, directory: str, mixed_precision: bool = False):
+    """6 steps straight; 3 steps, a checkpoint, a restart that loads it for steps 3-5; and the
+    same restart from the native run's checkpoint (DCP's full state dicts)."""
+    out = {"straight": fsdp2_example.main(how, 6, mixed_precision=mixed_precision)}
+    fsdp2_example.main(how, 3, checkpoint=f"{directory}/{how}.pt", mixed_precision=mixed_precision)
+    _between_runs()
+    out["resumed"] = fsdp2_example.main(how, 3, resume=f"{directory}/{how}.pt", mixed_precision=mixed_precision,
+                                        first_step=3)
+    if how != "native":
+        fsdp2_example.main("native", 3, checkpoint=f"{directory}/native_for_{how}.pt",
+                           mixed_precision=mixed_precision)
+        _between_runs()
+        out["from_native"] = fsdp2_example.main(how, 3, resume=f"{directory}/native_for_{how}.pt",
+                                                mixed_precision=mixed_precision, first_step=3)
+    return out
+
+
+def fsdp2_meta(how: str):
+    """The example's meta-device construction: fully_shard takes it, minidist refuses it by name."""
+    try:
+        fsdp2_example.main(how, 1, meta=True)
+        return "trained"
+    except ValueError as e:
+        return str(e)
