@@ -42,12 +42,15 @@ def user_optimizer(net: nn.Module) -> torch.optim.Optimizer:
 
 
 def wrap(kind: str, net: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
-    """The one line a script changes: native DDP, or our wrapper of the same net and optimizer."""
+    """The one line a script changes: native DDP, or our wrapper of the same net and optimizer
+    (hsdp2 / hsdp3: on a mesh of two shard groups)."""
     if kind == "native":
         from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(net, **kwargs)
     if kind == "ddp":
         return minidist.DataParallel(net, **kwargs)
+    if kind.startswith("hsdp"):
+        kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
     stage = int(kind[-1])
     model = minidist.ShardedDataParallel(net, optimizer, stage=stage, **{**STAGE_KW[stage], **kwargs})
     assert model.optimizer is optimizer  # the script's own object now steps the shards
@@ -56,7 +59,7 @@ def wrap(kind: str, net: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
 
 def whole_state(kind: str, model, net: nn.Module) -> dict:
     """This rank's whole state_dict as the plain module holds it (a collective under ZeRO)."""
-    state = model.full_state_dict() if kind.startswith("zero") else net.state_dict()
+    state = model.full_state_dict() if kind.startswith(("zero", "hsdp")) else net.state_dict()
     return {k: v.detach().clone() for k, v in state.items()}
 
 
@@ -152,6 +155,33 @@ def registered_elementwise_optimizer():
             opt.zero_grad()
         states[kind] = whole_state(kind, model, net)
     return same(states["zero2"], states["native"])
+
+
+def reshard_with_groups(stage: int, saved: list | None = None):
+    """sharded_state_dict() of an optimizer with param groups, saved at one world size (saved=None:
+    5 steps, save, 3 more) and loaded at another (the saved list: load, the same 3 more)."""
+    net = build("gpt")
+    opt = user_optimizer(net)
+    model = wrap(f"zero{stage}", net, opt)
+    if saved is None:
+        train_global_batch(model, opt, range(5))
+        state = model.sharded_state_dict()
+    else:
+        model.load_sharded_state_dict(saved)
+        state = None
+    train_global_batch(model, opt, range(5, 8))
+    return state, whole_state(f"zero{stage}", model, net), [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
+
+
+def train_global_batch(model, opt, steps: range) -> None:
+    """The same global batch of 8 at any world size (each rank its slice)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        x, y = global_batch("gpt", step, 0, 2)
+        per = len(x) // n
+        loss_fn("gpt", model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 # --------------------------------------------------------------------------- optimizer checkpoints

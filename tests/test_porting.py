@@ -23,6 +23,32 @@ def test_the_users_optimizer_with_param_groups_equals_native_ddp(ranks, kind):
         assert r["ranks_agree"]
 
 
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+def test_param_groups_at_3_ranks_padded_shards_and_empty_pieces(ranks, kind):
+    """3 ranks: padded shards, and pieces of a group a rank's slice does not reach (empty)."""
+    for r in ranks(3).run(cases.param_groups_match_native, kind):
+        assert r["vs_native"][1] <= 1e-6, r["vs_native"]  # three partial sums: in another order than native's
+        assert r["groups"] and r["groups_matter"] and r["ranks_agree"]
+
+
+@pytest.mark.parametrize("kind", ["hsdp2", "hsdp3"])
+def test_param_groups_and_grad_scaler_on_a_2x2_mesh(ranks, kind):
+    for r in ranks(4).run(cases.param_groups_match_native, kind):
+        assert r["vs_native"][1] <= 1e-6 and r["groups"] and r["groups_matter"] and r["ranks_agree"], r
+    for r in ranks(4).run(cases.scaler_with_overflow_on_one_shard, kind, False, timeout_s=120):
+        assert r["scales"] == r["native_scales"] and r["scales_agree"] and r["ranks_agree"]
+        assert r["vs_native"][1] <= 1e-6, r["vs_native"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sharded_checkpoints_with_param_groups_reshard_4_to_2(ranks, stage):
+    saved = ranks(4).run(cases.reshard_with_groups, stage)
+    reference, groups = saved[0][1], saved[0][2]
+    for _, state, loaded_groups in ranks(2).run(cases.reshard_with_groups, stage, [s[0] for s in saved]):
+        assert cases.same(state, reference)[1] <= 1e-6  # four partial sums before, two after
+        assert loaded_groups == groups
+
+
 def test_optimizers_a_flat_shard_cannot_step_are_refused(ranks):
     adafactor, unknown, missing, foreign = ranks(2).run(cases.refused_optimizers)[0]
     assert "cannot shard Adafactor" in adafactor and "DataParallel" in adafactor

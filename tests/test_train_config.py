@@ -19,6 +19,9 @@ CASES = [
     (["trainer.precision=fp32x"], 2, r"trainer.precision='fp32x'"),
     (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' is not a subclass of torch.optim.optimizer.Optimizer"),
     (["optim._target_=torch.optim.NoSuch"], 2, r"optim._target_='torch.optim.NoSuch' cannot be imported"),
+    # ZeRO steps flat slices across parameters: only element-wise optimizers are exact there
+    (["optim._target_=torch.optim.Adafactor", "strategy=zero2", "~optim.weight_decay"], 2,
+     r"optim._target_=torch.optim.Adafactor with strategy=zero2: ShardedDataParallel cannot shard Adafactor"),
     (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' is not a subclass of "
                                             r"minidist.train.data.DataSource"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),

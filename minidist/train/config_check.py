@@ -17,6 +17,7 @@ from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import MODELS, build_model
+from minidist.parallel.shard_optimizer import check_elementwise
 from minidist.train.optim import optimizer_spec
 from minidist.train.strategies import check_options, mesh_dims
 
@@ -150,7 +151,12 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     peak = t.peak_tflops
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
-    optimizer_spec(cfg.optim)  # an optimizer class it can import, or a ConfigError naming optim._target_
+    optim_cls, _ = optimizer_spec(cfg.optim)  # an optimizer class it can import, or a ConfigError naming optim._target_
+    if spec.flat_optimizer_shards:
+        try:
+            check_elementwise(optim_cls)
+        except TypeError as e:
+            raise ConfigError(f"optim._target_={cfg.optim._target_} with strategy={spec.name}: {e}") from None
     if t.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
     if t.precision == "fp16" and not spec.fp16:  # the others take torch's GradScaler, on CPU as on CUDA

@@ -183,9 +183,10 @@ class DeepSpeedZero(Strategy):
 
 # -- the specs (spec.py says how they are read). DeepSpeed calls torch.distributed itself
 # (traces_comm=False); its fp16 loss scaling is its own config, which this adapter does not wire.
+# Its ZeRO partitions flat buffers as ours does, so its optimizer steps slices across parameters.
 for _stage in (1, 2, 3):
     register(StrategySpec(f"ds_zero{_stage}", "deepspeed", DeepSpeedZero, f"DeepSpeed's ZeRO stage {_stage} "
                           "(optional: pip install -e '.[deepspeed]')", checkpoint="deepspeed", zero_stage=_stage,
                           messages="units" if _stage == 3 else "buckets",
                           collectives=ZERO3 if _stage == 3 else ZERO12,
-                          options=("bucket_cap_mb",), fp16=False, traces_comm=False))
+                          options=("bucket_cap_mb",), fp16=False, traces_comm=False, flat_optimizer_shards=True))

@@ -154,11 +154,11 @@ for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],
                           zero_stage=_stage, messages="units" if _stage == 3 else "buckets",
-                          collectives=_collectives, options=ZERO_OPTIONS[_stage]))
+                          collectives=_collectives, options=ZERO_OPTIONS[_stage], flat_optimizer_shards=True))
 for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"hsdp{_stage}", "minidist", OursZero, f"ShardedDataParallel stage {_stage} on a mesh: "
                           "sharded within shard groups of strategy.shard_size ranks, replicated across them",
                           checkpoint="sharded", reference={2: "native_ddp", 3: "native_hsdp"}[_stage],
                           zero_stage=_stage, hybrid=True, messages="units" if _stage == 3 else "buckets",
                           collectives=in_shard_groups(_collectives),
-                          options=ZERO_OPTIONS[_stage] + ("shard_size",)))
+                          options=ZERO_OPTIONS[_stage] + ("shard_size",), flat_optimizer_shards=True))

@@ -92,6 +92,9 @@ class StrategySpec:
     fp16: bool = True                  # takes torch's GradScaler (trainer.precision=fp16)
     traces_comm: bool = True           # its communication goes through minidist.comm (CommTracer sees it)
     single_rank: bool = False          # runs on exactly one rank
+    # Its optimizer steps flat slices cut across parameters (ZeRO's flat shards), so only an
+    # element-wise optimizer class is exact there (minidist.parallel.shard_optimizer).
+    flat_optimizer_shards: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
