@@ -76,10 +76,12 @@ def ranks_agree(state: dict) -> bool:
 # --------------------------------------------------------------------------- the user's own optimizer
 
 
-def train_with_groups(kind: str, steps: int = 6):
+def train_with_schedule(kind: str, make_optimizer=None, steps: int = 6):
+    """`steps` steps of GPT with the optimizer a script builds (default: minGPT's groups) and a
+    scheduler built on it before wrapping; the whole state and each group's (lr, weight decay)."""
     net = perturbed(build("gpt"), dist.get_rank())
-    opt = user_optimizer(net)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # built before wrapping
+    opt = (make_optimizer or user_optimizer)(net)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     model = wrap(kind, net, opt)
     for step in range(steps):
         x, y = local_batch("gpt", step)
@@ -91,27 +93,14 @@ def train_with_groups(kind: str, steps: int = 6):
 
 
 def param_groups_match_native(kind: str):
-    """minGPT's decay / no-decay groups and a scheduler built on the optimizer before wrapping."""
-    ours, ours_groups = train_with_groups(kind)
-    native, native_groups = train_with_groups("native")
-    one_group = train_one_group(kind)
+    """minGPT's decay / no-decay groups and a scheduler built on the optimizer before wrapping; the
+    same with weight decay on everything must differ (the groups are really applied)."""
+    ours, ours_groups = train_with_schedule(kind)
+    native, native_groups = train_with_schedule("native")
+    one_group, _ = train_with_schedule(kind, lambda net: torch.optim.AdamW(
+        net.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1))
     return {"vs_native": same(ours, native), "groups": ours_groups == native_groups,
             "groups_matter": not same(one_group, native)[0], "ranks_agree": ranks_agree(ours)}
-
-
-def train_one_group(kind: str, steps: int = 6):
-    """The same, weight decay on everything: must differ (the groups are really applied)."""
-    net = perturbed(build("gpt"), dist.get_rank())
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    model = wrap(kind, net, opt)
-    for step in range(steps):
-        x, y = local_batch("gpt", step)
-        loss_fn("gpt", model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        schedule.step()
-    return whole_state(kind, model, net)
 
 
 def refused_optimizers():

@@ -34,6 +34,7 @@ memory) and stages 1-2, which reuse DataParallel's backward machinery.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,11 +65,13 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
 
     After backward, the averaged gradient is in `model.optimizer`'s parameters (this rank's
-    shard); every module parameter's `.grad` raises if read (see sharded_grad.py), so clip with
-    `model.clip_grad_norm_`, not torch.nn.utils.clip_grad_norm_. torch.amp.GradScaler works
-    on model.optimizer as under native DDP: every rank skips an overflowing step together
-    (scaler_agreement.py). `model.optimizer.state_dict()` is this rank's shard (loading it on
-    another rank is refused); full_optim_state_dict() is the whole, loadable anywhere.
+    shard); every module parameter's `.grad` is a placeholder that answers its norm and scaling
+    from the shards, so torch.nn.utils.clip_grad_norm_ works, and raises on any other read (see
+    sharded_grad.py); `model.clip_grad_norm_` clips by the global norm directly.
+    torch.amp.GradScaler works on model.optimizer as under native DDP: every rank skips an
+    overflowing step together (scaler_agreement.py). `model.optimizer.state_dict()` is this
+    rank's shard (loading it on another rank is refused); full_optim_state_dict() is the whole,
+    loadable anywhere.
 
     Args:
         module: the model, the same on every rank.
@@ -106,7 +109,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             used, which raise too (torch's optimizer would skip them, a flat shard cannot); those
             unused on some ranks only train exactly as under native DDP.
         process_group: the group to shard over (default: the world).
-        mesh: a 1-D torch DeviceMesh (FSDP2's argument) stands for its group. Or hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S): shard over
+        mesh: hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S) (a 1-D torch
+            DeviceMesh, FSDP2's argument, stands for its group instead): shard over
             the mesh's shard group (one host), replicate across its replicate group. Gradients
             are reduce_scattered within the shard group, then each shard is all_reduced across
             the replicas (only that crosses hosts: 1/S of the bytes); parameters are gathered
