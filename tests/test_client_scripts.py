@@ -45,6 +45,12 @@ def test_ddp_tutorial_script(ranks, tmp_path):
 MINGPT_TOLERANCE = {(False, 1.0): 5e-5}
 
 
+def test_ddp_tutorial_script_at_stage3_names_full_state_dict(ranks, tmp_path):
+    rank0, rank1 = ranks(2).run(cases.tutorial_at_stage3, str(tmp_path))
+    assert "model.full_state_dict()" in rank0 and "model.module.load_state_dict(full)" in rank0
+    assert rank1 == "trained"  # only rank 0 saves
+
+
 @pytest.mark.parametrize("grad_norm_clip", [1.0, 1e12])
 @pytest.mark.parametrize("how", ["ddp", "zero1", "zero2", "zero3"])
 def test_mingpt_script(ranks, tmp_path, how, grad_norm_clip):

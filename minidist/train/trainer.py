@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
+from minidist.profiling.timeline import settle
 from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from minidist.train.cross_host import HostTraffic, cross_host_sent
@@ -240,7 +241,7 @@ class Trainer:
             else:
                 m = self.train_step(batches)
             self.step += 1
-            self.host_traffic.after_step(self.step, start, end)
+            self.host_traffic.after_step(self.step, start, end, settle=lambda: settle(self.model))
             if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m.cross_host)
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)

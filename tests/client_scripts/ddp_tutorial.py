@@ -86,7 +86,8 @@ def load_train_objs():
     return train_set, model, optimizer
 
 
-def main(total_epochs: int, save_every: int, how: str, snapshot_path: str, batch_size: int = 16) -> dict:
+def main(total_epochs: int, save_every: int, how: str, snapshot_path: str, batch_size: int = 16,
+         final_state: bool = True) -> dict | None:
     """Train; return this rank's final parameters (for the comparison in tests/test_client_scripts.py)."""
     if not is_initialized():  # under torchrun; the test's rank pool has a process group already
         init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
@@ -94,7 +95,10 @@ def main(total_epochs: int, save_every: int, how: str, snapshot_path: str, batch
     train_data = DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=DistributedSampler(dataset))
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path, how)
     trainer.train(total_epochs)
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if not final_state:
+        return None
+    state = trainer.model.full_state_dict() if how.startswith("zero") else model.state_dict()
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 if __name__ == "__main__":
