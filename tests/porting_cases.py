@@ -53,7 +53,7 @@ def wrap(kind: str, net: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
         kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
     stage = int(kind[-1])
     model = minidist.ShardedDataParallel(net, optimizer, stage=stage, **{**STAGE_KW[stage], **kwargs})
-    assert model.optimizer is optimizer  # the script's own object now steps the shards
+    assert isinstance(optimizer, functools.partial) or model.optimizer is optimizer  # the script's own object
     return model
 
 
@@ -321,7 +321,7 @@ def attempt(fn) -> str:
     try:
         fn()
         return "accepted"
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         return str(e)
 
 
@@ -428,6 +428,16 @@ def meta_device_is_refused():
     for stage in (1, 2, 3):
         out[f"zero{stage}"] = attempt(lambda: minidist.ShardedDataParallel(net, torch.optim.SGD(net.parameters(),
                                                                                               lr=0.1), stage=stage))
+    return out
+
+
+def move_or_cast_after_wrapping():
+    """model.to() / .double() after wrapping: no-ops pass, real moves and casts are refused."""
+    out = {}
+    for stage in (2, 3):
+        model = wrap(f"zero{stage}", build("mlp"), functools.partial(torch.optim.SGD, lr=0.1))
+        out[f"zero{stage} .to(cpu)"] = attempt(lambda: model.to("cpu").float())
+        out[f"zero{stage} .double()"] = attempt(lambda: model.double())
     return out
 
 

@@ -137,6 +137,13 @@ def test_meta_device_models_are_refused_by_every_wrapper_naming_the_way(ranks):
         assert "Materialise before wrapping" in message and "to_empty" in message, (name, message)
 
 
+def test_moving_or_casting_a_wrapped_model_is_refused_unless_a_no_op(ranks):
+    r = ranks(2).run(cases.move_or_cast_after_wrapping)[0]
+    for stage in (2, 3):
+        assert r[f"zero{stage} .to(cpu)"] == "accepted"
+        assert "Move or cast the module before wrapping" in r[f"zero{stage} .double()"]
+
+
 def test_default_units_are_the_repeated_blocks(ranks):
     r = ranks(2).run(cases.default_units)[0]
     assert r["gpt"] == ["<root>"] + [f"blocks.{i}" for i in range(10)]  # blocks of ~3k parameters each

@@ -282,6 +282,22 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         cast = lambda t: t.to(self.param_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
         return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
+    def _apply(self, fn, recurse=True):
+        """model.to(...), .cuda(), .double() after wrapping: accepted where they change nothing.
+        Otherwise they would give the module new tensors apart from the flat shards, which the
+        optimizer steps and the gathers write: training would silently stop reaching the model."""
+        kinds = {(t.dtype, t.device) for t in [*self.module.parameters(), *self.module.buffers()]}
+        for dtype, device in kinds:  # probed on empty tensors: stage 3's parameters hold no storage
+            probe = torch.empty(0, dtype=dtype, device=device)
+            out = fn(probe)
+            if out.dtype != dtype or out.device != device:
+                raise RuntimeError(
+                    f"ShardedDataParallel: moving or casting the wrapped model ({dtype} on {device} -> {out.dtype} on "
+                    f"{out.device}) would detach the module's parameters from the shards the optimizer steps. "
+                    "Move or cast the module before wrapping (net.to(device)); for a compute dtype give "
+                    "param_dtype= or mp_policy=.")
+        return self
+
     def _cast_output(self, out):
         """mp_policy's output_dtype: floating outputs (nested in tuples, lists, dicts) cast to it."""
         if self.output_dtype is None:
