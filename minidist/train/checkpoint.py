@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from minidist import comm
+from minidist.dist import get_logger
 from minidist.train.errors import ConfigError
 from minidist.train.manifest import write_manifest
 from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
@@ -178,8 +179,8 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
             write_manifest(tmp)
             sync_to_disk(tmp, files=False)
-            if final.exists():  # the same step saved again (a resumed run): replace it
-                shutil.rmtree(final)
+            if final.exists():  # the same step saved again (a resumed run)
+                set_aside_or_remove(final)
             tmp.rename(final)
             sync_to_disk(root, files=False)  # the rename itself survives a power loss
         except OSError as e:
@@ -196,6 +197,25 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
             shutil.rmtree(old)
     comm.barrier()
     return final
+
+
+def set_aside_or_remove(old: Path) -> None:
+    """Make room for a new checkpoint of the same step. A readable one is replaced; one that could
+    not be read (resume=auto skipped it, so this run retraces its steps) is never deleted for that:
+    it is renamed aside (`step_XXXXXXXX.unreadable`, which no resume or pruning looks at), said so."""
+    try:
+        verify_checkpoint_files(old)
+    except ConfigError as e:
+        aside = old.with_name(f"{old.name}.unreadable")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = old.with_name(f"{old.name}.unreadable{n}")
+        old.rename(aside)
+        get_logger().info(f"checkpoint {old.name} could not be read ({str(e)[:200]}); kept as {aside.name}, "
+                          f"and the new {old.name} written beside it")
+        return
+    shutil.rmtree(old)
 
 
 def sync_to_disk(folder: Path, files: bool = True) -> None:
@@ -251,7 +271,10 @@ def load_checkpoint(ckpt: Path, strategy) -> dict:
 def consolidate(ckpt: Path) -> dict:
     """The plain state_dict of the bare model from any strategy's checkpoint (no process group)."""
     ckpt = Path(ckpt)
-    verify_checkpoint_files(ckpt)  # every file, before any is used
+    unlisted = verify_checkpoint_files(ckpt)  # every file, before any is used
+    if unlisted:
+        print(f"note: ignoring {len(unlisted)} file(s) in {ckpt.name} its manifest does not list (no part of the "
+              f"checkpoint; not opened): {', '.join(unlisted[:5])}", file=sys.stderr)
     meta = read_meta(ckpt)
     if not meta["sharded"]:
         return load_tensors(ckpt / "model.pt")

@@ -6,6 +6,7 @@ a data set is read, or anything is written into the run directory.
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 
 import torch
@@ -59,8 +60,17 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
     if not path.is_dir():
         raise ConfigError(f"trainer.resume={resume!r} is not a folder: give auto, none, or a "
                           "checkpoints/step_XXXXXXXX folder")
-    verify_checkpoint_files(path)  # no file of it runs code when opened
-    return path
+    return verified(path)
+
+
+def verified(ckpt: Path) -> Path:
+    """`ckpt`, checked against its manifest and every listed file opened safely (safe_load.py),
+    saying once which files beside them it ignores; a CheckpointRefused naming the first that fails."""
+    unlisted = verify_checkpoint_files(ckpt)  # no file of it runs code when opened
+    if unlisted:
+        print0(f"trainer.resume: ignoring {len(unlisted)} file(s) in {ckpt.name} its manifest does not list "
+               f"(no part of the checkpoint; not opened): {', '.join(unlisted[:5])}{' ...' if len(unlisted) > 5 else ''}")
+    return ckpt
 
 
 def newest_readable_checkpoint(run_dir: Path) -> Path | None:
@@ -69,10 +79,9 @@ def newest_readable_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     for ckpt in reversed(found):
         try:
-            verify_checkpoint_files(ckpt)
-            return ckpt
+            return verified(ckpt)
         except CheckpointRefused as e:
-            print0(f"trainer.resume=auto: skipping {ckpt.name}, it cannot be resumed from: {e}")
+            print0(f"trainer.resume=auto: skipping {ckpt.name}, it cannot be resumed from (it is kept as it is): {e}")
     if found:
         raise ConfigError(f"trainer.resume=auto: none of the {len(found)} checkpoints in {run_dir / 'checkpoints'} "
                           "can be read (each is named above): resume from a copy you trust (trainer.resume=DIR), "
@@ -82,8 +91,7 @@ def newest_readable_checkpoint(run_dir: Path) -> Path | None:
 
 def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
     """Verify checkpoint `ckpt` (safe_load.py), then check that this run can continue it."""
-    verify_checkpoint_files(ckpt)  # no file of it runs code when opened
-    check_run_fits(cfg, ckpt, world_size)
+    check_run_fits(cfg, verified(ckpt), world_size)
 
 
 def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
@@ -91,9 +99,9 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     meta = read_meta(ckpt)
     saved = meta["config"]
     if saved["model"] != _plain(cfg.model):
-        raise ConfigError(f"trainer.resume: {ckpt} holds model {saved['model'].get('name')!r} "
-                          f"({saved['model']}), this run builds {_plain(cfg.model)}: resume with the same model= "
-                          "settings, or start a new run (trainer.resume=none in a new hydra.run.dir)")
+        raise ConfigError(f"trainer.resume: {ckpt} holds model {short(saved['model'].get('name'))} "
+                          f"({short(saved['model'])}), this run builds {_plain(cfg.model)}: resume with the same "
+                          "model= settings, or start a new run (trainer.resume=none in a new hydra.run.dir)")
     if meta["strategy"] != cfg.strategy.name:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by strategy={meta['strategy']}, this run uses "
                           f"strategy={cfg.strategy.name}: resume with the same strategy (or consolidate it with "
@@ -107,6 +115,13 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     if meta["world_size"] != world_size:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by {meta['world_size']} ranks, this run has "
                           f"{world_size}: resume with launcher.nproc={meta['world_size']} (or the same torchrun size)")
+
+
+def short(value) -> str:
+    """repr of something read from a checkpoint, bounded whatever it holds (for error messages)."""
+    shortener = reprlib.Repr()
+    shortener.maxlevel, shortener.maxdict, shortener.maxlist, shortener.maxstring, shortener.maxother = 3, 8, 8, 60, 60
+    return shortener.repr(value)[:300]
 
 
 def _plain(node) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
 from minidist.train.errors import CheckpointRefused
@@ -48,9 +49,11 @@ class ManifestMismatch(CheckpointRefused):
     """A checkpoint folder that differs from its manifest (or has none)."""
 
 
-def verify_manifest(ckpt: Path) -> None:
-    """Raise ManifestMismatch naming the first file that is missing, of another size, or of another
-    checksum than the manifest says; or when there is no readable manifest at all."""
+def verify_manifest(ckpt: Path) -> list[str]:
+    """Raise ManifestMismatch naming the first file that is missing, not a regular file (a link, a
+    FIFO: never opened), of another size, or of another checksum than the manifest says; or when
+    there is no readable manifest at all. Return the files it lists (relative paths): those alone
+    make the checkpoint, anything else in the folder is not read."""
     ckpt = Path(ckpt)
     path = ckpt / NAME
     try:
@@ -64,9 +67,26 @@ def verify_manifest(ckpt: Path) -> None:
                                f"{FORMAT!r}); none of the checkpoint was loaded")
     for name, want in files.items():
         file = ckpt / name
-        if not file.is_file():
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ManifestMismatch(f"{path} lists {str(name)[:80]!r}, a path outside the checkpoint folder: refused; "
+                                   "none of the checkpoint was loaded")
+        if not isinstance(want, dict) or not isinstance(want.get("bytes"), int) or \
+                not isinstance(want.get("sha256"), str):
+            raise ManifestMismatch(f"{path}: its entry for {name!r} is not {{bytes, sha256}}; none of the checkpoint "
+                                   "was loaded")
+        try:
+            mode = file.lstat().st_mode
+            inside = file.resolve().is_relative_to(ckpt.resolve())  # a linked folder on the way leads out
+        except OSError:
             raise ManifestMismatch(f"{file} is missing (the checkpoint's manifest lists it): the checkpoint is "
-                                   "incomplete; none of it was loaded")
+                                   "incomplete; none of it was loaded") from None
+        if not inside:
+            mode = stat.S_IFLNK
+        if not stat.S_ISREG(mode):  # never opened: a FIFO would block, a link would read another file
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ManifestMismatch(f"{file} is {kind}, not a file minidist wrote: refused unopened; none of the "
+                                   "checkpoint was loaded")
         size = file.stat().st_size
         if size != want["bytes"]:
             raise ManifestMismatch(f"{file} has {size} bytes, its manifest says {want['bytes']}: it was truncated or "
@@ -74,3 +94,4 @@ def verify_manifest(ckpt: Path) -> None:
         if file_digest(file) != want["sha256"]:
             raise ManifestMismatch(f"{file} does not match the sha256 in its manifest: it was changed after it was "
                                    "written; none of the checkpoint was loaded")
+    return list(files)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from minidist.train.errors import CheckpointRefused  # noqa: F401  (raised here; public from here too)
+from minidist.train.manifest import NAME as MANIFEST
 from minidist.train.manifest import verify_manifest
 
 DEEPSPEED_DIR = "deepspeed"  # where the ds_zero* strategies keep DeepSpeed's own files
@@ -49,12 +50,12 @@ def load_tensors(path: Path, map_location="cpu", mmap: bool = False, allow: list
     try:
         with torch.serialization.safe_globals(list(allow or [])):
             try:
-                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+                obj = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
             except RuntimeError as e:
                 if not (mmap and "mmap" in str(e)):
                     raise
                 # not torch.save's zip format (a bare pickle): read it whole, still restricted
-                return torch.load(path, map_location=map_location, weights_only=True)
+                obj = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         detail = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e).splitlines()[0])
         raise CheckpointRefused(
@@ -63,9 +64,40 @@ def load_tensors(path: Path, map_location="cpu", mmap: bool = False, allow: list
             "minidist wrote; if this one was tampered with or comes from other code, do not resume from it.") from e
     except FileNotFoundError:
         raise
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointRefused(f"{path} could not be read ({str(e).splitlines()[0][:160]}): the file is "
+    except Exception as e:  # noqa: BLE001 - garbage makes torch's reader fail in any way (IndexError, KeyError...)
+        first = (str(e).splitlines() or [""])[0][:160]
+        raise CheckpointRefused(f"{path} could not be read ({e.__class__.__name__}: {first}): the file is "
                                 "truncated or not a torch checkpoint; resume from another checkpoint") from e
+    return check_bounded(obj, path)
+
+
+# What a file minidist wrote can hold: its containers nest a few levels deep and hold entries in
+# proportion to the model's tensors. A small file can still unpickle into a structure of shared
+# parts that is astronomically large when walked as a tree (a list holding the previous list
+# twice, sixty times): anything that formats or traverses it would never finish.
+MAX_DEPTH = 64
+MAX_VISITS = 2_000_000
+
+
+def check_bounded(obj: Any, path: Path) -> Any:
+    """`obj`, once its containers are walked as a tree within MAX_VISITS entries and MAX_DEPTH
+    levels (shared parts counted each time they are reached); else CheckpointRefused."""
+    visits, stack = 0, [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = list(item)
+        else:
+            continue
+        visits += len(children)
+        if depth >= MAX_DEPTH or visits > MAX_VISITS:
+            how = f"deeper than {MAX_DEPTH} levels" if depth >= MAX_DEPTH else f"into more than {MAX_VISITS:,} entries"
+            raise CheckpointRefused(f"{path} was not loaded: its containers nest {how}, which no file minidist "
+                                    "writes does (a structure built to be too large to read); do not resume from it")
+        stack.extend((child, depth + 1) for child in children)
+    return obj
 
 
 FULL_DISK_BYTES = 1 << 20  # free space under which a short write is taken for a full disk
@@ -88,15 +120,20 @@ def save_tensors(obj: Any, path: Path) -> None:
             raise
 
 
-def verify_checkpoint_files(ckpt: Path) -> None:
-    """Check checkpoint `ckpt` against its manifest (manifest.py), then open every file under the
-    restricted unpickler (memory-mapped, so cheap); raise a ConfigError naming the first that fails."""
+def verify_checkpoint_files(ckpt: Path) -> list[str]:
+    """Check checkpoint `ckpt` against its manifest (manifest.py), then open every file it lists
+    under the restricted unpickler (memory-mapped, so cheap); raise a ConfigError naming the first
+    that fails. Return the files in the folder the manifest does not list: never opened (a stray
+    copy, a FIFO), they are no part of the checkpoint, and the caller says so."""
     ckpt = Path(ckpt)
-    verify_manifest(ckpt)
+    listed = verify_manifest(ckpt)
     ds_allow = None
-    for path in sorted(ckpt.rglob("*.pt")):
+    for name in sorted(n for n in listed if n.endswith(".pt")):
         allow = None
-        if DEEPSPEED_DIR in path.relative_to(ckpt).parts:
+        if DEEPSPEED_DIR in Path(name).parts:
             ds_allow = ds_allow if ds_allow is not None else deepspeed_classes()
             allow = ds_allow
-        load_tensors(path, mmap=True, allow=allow)
+        load_tensors(ckpt / name, mmap=True, allow=allow)
+    known = {*listed, MANIFEST}
+    return sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
+                  if not p.is_dir() and p.relative_to(ckpt).as_posix() not in known)
