@@ -24,6 +24,8 @@ CASES = [
      r"optim._target_=torch.optim.Adafactor with strategy=zero2: ShardedDataParallel cannot shard Adafactor"),
     (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' is not a subclass of "
                                             r"minidist.train.data.DataSource"),
+    (["data.val_fraction=0"], 2, r"leaves 0 validation samples .* trainer.eval_batches=0 to train without"),
+    (["data.val_fraction=-0.1"], 2, r"data.val_fraction=-0.1 must be a fraction in \[0, 1\)"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
     (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),
@@ -46,6 +48,10 @@ def test_config_errors(overrides, world, pattern, tmp_path):
     with pytest.raises(ConfigError, match=pattern):
         validate(cfg, world, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_no_validation_when_asked(tmp_path):
+    assert validate(compose_cfg(tiny_overrides("data.val_fraction=0", "trainer.eval_batches=0")), 2, tmp_path) is None
 
 
 def test_single_needs_one_rank(tmp_path):

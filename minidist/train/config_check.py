@@ -183,7 +183,14 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if MODELS[cfg.model.name][0] != data.info().kind:  # the kind of data it takes
         raise ConfigError(f"model={cfg.model.name} cannot train on data={cfg.data.name}: pick a matching pair "
                           "(gpt_* with stdlib_text or text_file; resnet18 or mlp with cifar10, mnist or fake_images)")
-    n = data.train_size(int(cfg.model.get("block_size", 1)))
+    block = int(cfg.model.get("block_size", 1))
+    val = data.validation_size(block)
+    if t.eval_batches and val is not None and val < world_size * t.micro_batch_size:
+        raise ConfigError(f"data={cfg.data.name} leaves {max(val, 0)} validation samples (data.val_fraction="
+                          f"{cfg.data.get('val_fraction')}), fewer than one micro-batch on each of {world_size} ranks, "
+                          "so there would be no validation loss: raise data.val_fraction, or set "
+                          "trainer.eval_batches=0 to train without validation")
+    n = data.train_size(block)
     if n < world_size * t.micro_batch_size:
         raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one micro-batch on each of "
                           f"{world_size} ranks (trainer.micro_batch_size={t.micro_batch_size}): use more data, a "

@@ -54,6 +54,10 @@ class DataSource:
         """Number of training samples, cheaply (no data loaded): for validating the config."""
         raise NotImplementedError
 
+    def validation_size(self, block_size: int) -> int | None:
+        """Number of validation samples, cheaply; None where it is not known without loading."""
+        return None
+
     def build(self, block_size: int) -> tuple[Dataset, Dataset, DataInfo]:
         """(training set, validation set, info); each item is an (input, target) pair."""
         raise NotImplementedError
@@ -111,6 +115,9 @@ class TextBytes(DataSource):
     """Files as one byte stream (a token is a byte); the last val_fraction of it is validation."""
 
     def __init__(self, max_bytes: int | None, val_fraction: float):
+        if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={val_fraction!r} must be a fraction in [0, 1): the last part of the "
+                              "stream that is validation (0 with trainer.eval_batches=0: no validation)")
         self.max_bytes, self.val_fraction = max_bytes, float(val_fraction)
 
     def files(self) -> list[Path]:
@@ -119,10 +126,16 @@ class TextBytes(DataSource):
     def info(self) -> DataInfo:
         return DataInfo("text")
 
-    def train_size(self, block_size: int) -> int:
+    def _total_bytes(self) -> int:
         total = sum(f.stat().st_size + 1 for f in self.files())  # from file sizes alone
-        total = min(total, self.max_bytes) if self.max_bytes else total
-        return int(total * (1.0 - self.val_fraction) - 1) // block_size
+        return min(total, self.max_bytes) if self.max_bytes else total
+
+    def train_size(self, block_size: int) -> int:
+        return int(self._total_bytes() * (1.0 - self.val_fraction) - 1) // block_size
+
+    def validation_size(self, block_size: int) -> int:
+        total = self._total_bytes()
+        return (total - int(total * (1.0 - self.val_fraction)) - 1) // block_size
 
     def build(self, block_size: int):
         tokens = read_bytes(self.files(), self.max_bytes)
@@ -170,6 +183,9 @@ class FakeImages(DataSource):
 
     def train_size(self, block_size: int) -> int:
         return self.size
+
+    def validation_size(self, block_size: int) -> int:
+        return self.val_size
 
     def build(self, block_size: int):
         import torchvision
