@@ -17,13 +17,17 @@ CASES = [
     (["trainer.precision=fp16", "strategy=ds_zero2"], 2,
      r"trainer.precision=fp16 with strategy=ds_zero2: .* use trainer.precision=bf16"),
     (["trainer.precision=fp32x"], 2, r"trainer.precision='fp32x'"),
-    (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' is not a subclass of torch.optim.optimizer.Optimizer"),
+    (["optim._target_=subprocess.Popen"], 2, r"optim._target_='subprocess.Popen' was not imported: only torch's "
+                                              r"classes are.* optim.module=subprocess"),
+    (["optim._target_=torch.nn.Linear"], 2, r"optim._target_='torch.nn.Linear' is not a subclass of torch.optim.optimizer.Optimizer"),
     (["optim._target_=torch.optim.NoSuch"], 2, r"optim._target_='torch.optim.NoSuch' cannot be imported"),
     # ZeRO steps flat slices across parameters: only element-wise optimizers are exact there
     (["optim._target_=torch.optim.Adafactor", "strategy=zero2", "~optim.weight_decay"], 2,
      r"optim._target_=torch.optim.Adafactor with strategy=zero2: ShardedDataParallel cannot shard Adafactor"),
-    (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' is not a subclass of "
-                                            r"minidist.train.data.DataSource"),
+    (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' was not imported: only minidist's "
+                                            r"classes are"),
+    (["data._target_=subprocess.Popen", "data.module=subprocess"], 2, r"data._target_='subprocess.Popen' is not a "
+                                                                     r"subclass of minidist.train.data.DataSource"),
     (["data.val_fraction=0"], 2, r"leaves 0 validation samples .* trainer.eval_batches=0 to train without"),
     (["data.val_fraction=-0.1"], 2, r"data.val_fraction=-0.1 must be a fraction in \[0, 1\)"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
@@ -48,6 +52,16 @@ def test_config_errors(overrides, world, pattern, tmp_path):
     with pytest.raises(ConfigError, match=pattern):
         validate(cfg, world, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_a_target_outside_the_trusted_packages_is_not_imported(tmp_path, monkeypatch):
+    """Importing runs a module's code: a _target_ from a package the config does not name in
+    `module` is refused from its name alone (issue 26, item 8)."""
+    (tmp_path / "evilmod.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\nclass X: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="'evilmod.X' was not imported: .* data.module=evilmod"):
+        validate(compose_cfg(tiny_overrides("data._target_=evilmod.X")), 2, tmp_path / "run")
+    assert not (tmp_path / "imported").exists()
 
 
 def test_no_validation_when_asked(tmp_path):

@@ -187,16 +187,17 @@ class Counting(DataSource):
 
 
 def test_a_data_set_of_your_own_is_the_data_groups_target():
-    cfg = OmegaConf.create({"_target_": f"{__name__}.Counting", "name": "counting", "length": 1000})
+    cfg = OmegaConf.create({"_target_": f"{__name__}.Counting", "name": "counting", "module": __name__, "length": 1000})
     train, val, info = build_datasets(cfg, block_size=10)
     assert info.kind == "text" and len(train) == train_size(cfg, 10) == 99 and len(val) == 4
     assert torch.equal(train[3][0], torch.arange(30, 40))
 
 
 @pytest.mark.parametrize("target,says", [
-    ("os.system", "is not a subclass of minidist.train.data.DataSource: name one, e.g. minidist.train.data.StdlibText"),
+    ("os.system", "was not imported: only minidist's classes are"),
     ("minidist.train.data.NoSuchSet", "cannot be imported"),
-    ("torch.optim.AdamW", "is not a subclass of minidist.train.data.DataSource"),
+    ("minidist.train.models.GPT", "is not a subclass of minidist.train.data.DataSource: name one, e.g. "
+                                  "minidist.train.data.StdlibText"),
 ])
 def test_the_data_target_must_be_a_data_source(target, says):
     with pytest.raises(ConfigError, match=says):

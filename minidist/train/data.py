@@ -258,7 +258,7 @@ class MNIST(TorchvisionImages):
 
 # --------------------------------------------------------------------------- entry points
 
-NOT_ARGUMENTS = ("_target_", "name")  # name: the run's label for the set (logs, reports)
+NOT_ARGUMENTS = ("_target_", "name", "module")  # name: the run's label for the set; module: the package trusted
 
 
 def data_source(data_cfg) -> DataSource:
@@ -266,7 +266,8 @@ def data_source(data_cfg) -> DataSource:
     Only DataSource classes are accepted, so a config cannot name arbitrary code to run."""
     from omegaconf import OmegaConf
 
-    cls = class_named(str(data_cfg.get("_target_")), DataSource, "data._target_", "minidist.train.data.StdlibText")
+    cls = class_named(str(data_cfg.get("_target_")), DataSource, "data._target_", "minidist.train.data.StdlibText",
+                      module=data_cfg.get("module"))
     kwargs = {k: v for k, v in OmegaConf.to_container(data_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
     try:
         inspect.signature(cls).bind(**kwargs)

@@ -15,7 +15,7 @@ import torch
 from minidist.train.targets import class_named
 
 # The optim group's keys that are not the optimizer's own arguments.
-NOT_ARGUMENTS = ("_target_", "name", "warmup_steps", "min_lr_ratio", "fused")
+NOT_ARGUMENTS = ("_target_", "name", "module", "warmup_steps", "min_lr_ratio", "fused")
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -34,7 +34,8 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
     from omegaconf import OmegaConf
 
-    cls = class_named(str(optim_cfg._target_), torch.optim.Optimizer, "optim._target_", "torch.optim.AdamW")
+    cls = class_named(str(optim_cfg._target_), torch.optim.Optimizer, "optim._target_", "torch.optim.AdamW",
+                      module=optim_cfg.get("module"))
     kwargs = {k: tuple(v) if isinstance(v, list) else v  # betas: a tuple, as torch writes them
               for k, v in OmegaConf.to_container(optim_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
     fused = optim_cfg.fused
