@@ -52,7 +52,8 @@ def test_self_launched_on_mnist_files(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("zero3: mlp") == 1, out.stdout  # the header, from rank 0 only
     assert "val accuracy" in out.stdout and f"tensorboard --logdir {run_dir / 'tensorboard'}" in out.stdout
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "summary.json", "tensorboard"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml", "logs", "run.lock", "summary.json",
+                                                         "tensorboard"]
     assert (run_dir / "logs" / "rank_0.log").is_file() and (run_dir / "logs" / "rank_1.log").is_file()
     assert "val/accuracy" in (run_dir / "logs" / "rank_1.log").read_text()
     tags = tensorboard_tags(run_dir / "tensorboard")

@@ -24,6 +24,7 @@ from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
 from minidist.train.failure_report import report_failure
 from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
+from minidist.train.run_lock import RunDirectoryInUse, run_directory_lock
 
 
 def local_nproc(launcher_cfg) -> int:
@@ -178,7 +179,13 @@ def launch(cfg, run_dir: str | Path) -> int:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
     try:
-        run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
+        # One run per run directory (run_lock.py): taken by the process that starts the ranks
+        # (under torchrun, rank 0's), before anything is written there.
+        with run_directory_lock(run_dir) if rank == 0 else contextlib.nullcontext():
+            run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
+    except RunDirectoryInUse as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except RanksFailed as e:
         print(f"error: training failed on rank(s) {e.ranks}; each rank's log is in {run_dir / 'logs'}",
               file=sys.stderr)

@@ -1,0 +1,55 @@
+"""One run per run directory (issue 26, item 7): a second run started in a directory a live run
+holds stops at once, in one line naming the live one, having written nothing; a lock left by a
+run that died is no obstacle."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minidist.train.run_lock import RunDirectoryInUse, run_directory_lock
+from train_cases import PYTHON, RECIPE, ROOT, tiny_overrides
+
+HOLD = ("import sys, time; from minidist.train.run_lock import run_directory_lock\n"
+        "with run_directory_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(120)\n")
+
+
+@pytest.fixture
+def held(tmp_path):
+    """A live process holding tmp_path/run's lock."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield tmp_path / "run", proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_held_directory_is_refused_naming_the_holder(held):
+    run_dir, proc = held
+    with pytest.raises(RunDirectoryInUse, match=rf"is in use by another run \(pid {proc.pid} on {socket.gethostname()}"):
+        with run_directory_lock(run_dir):
+            pass
+
+
+def test_a_second_training_run_stops_at_once_in_one_line(held):
+    run_dir, proc = held
+    started = time.monotonic()
+    out = subprocess.run([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=2"), f"hydra.run.dir={run_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and f"pid {proc.pid}" in lines[0], out.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["run.lock"]  # no logs, no checkpoints, no config
+    assert time.monotonic() - started < 60
+
+
+def test_the_lock_of_a_run_that_died_is_taken_over(held):
+    run_dir, proc = held
+    proc.kill()
+    proc.wait()
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == proc.pid  # what it left
+    with run_directory_lock(run_dir):
+        assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
