@@ -18,6 +18,7 @@ from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
 from minidist.train.errors import ConfigError
 from minidist.train.faults import planned_kills
 from minidist.train.models import MODELS, build_model
+from minidist.train.resume_changes import config_changes, describe, is_fixed
 from minidist.parallel.shard_optimizer import check_elementwise
 from minidist.train.optim import optimizer_spec
 from minidist.train.strategies import check_options, mesh_dims
@@ -98,10 +99,11 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     """Model, strategy, shapes and world size of a verified checkpoint against this run's."""
     meta = read_meta(ckpt)
     saved = meta["config"]
-    if saved["model"] != _plain(cfg.model):
-        raise ConfigError(f"trainer.resume: {ckpt} holds model {short(saved['model'].get('name'))} "
-                          f"({short(saved['model'])}), this run builds {_plain(cfg.model)}: resume with the same "
-                          "model= settings, or start a new run (trainer.resume=none in a new hydra.run.dir)")
+    if not isinstance(saved, dict) or saved.get("model") != _plain(cfg.model):
+        model = saved.get("model") if isinstance(saved, dict) else saved
+        raise ConfigError(f"trainer.resume: {ckpt} holds model {short(model)}, this run builds {_plain(cfg.model)}: "
+                          "resume with the same model= settings, or start a new run (trainer.resume=none in a new "
+                          "hydra.run.dir)")
     if meta["strategy"] != cfg.strategy.name:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by strategy={meta['strategy']}, this run uses "
                           f"strategy={cfg.strategy.name}: resume with the same strategy (or consolidate it with "
@@ -115,6 +117,16 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     if meta["world_size"] != world_size:
         raise ConfigError(f"trainer.resume: {ckpt} was saved by {meta['world_size']} ranks, this run has "
                           f"{world_size}: resume with launcher.nproc={meta['world_size']} (or the same torchrun size)")
+    changes = config_changes(saved, _plain(cfg))
+    fixed = [(k, a, b) for k, a, b in changes if is_fixed(k)]
+    if fixed:
+        why = "; ".join(sorted({f"{k.rstrip('.')}: {is_fixed(k)}" for k, _, _ in fixed}))
+        raise ConfigError(f"trainer.resume: {describe(fixed)} since {ckpt.name} was written, and these may not change "
+                          f"on resume ({why}): resume with the checkpoint's settings, or start a new run in a new "
+                          "hydra.run.dir")
+    if changes:
+        print0(f"trainer.resume: settings changed since {ckpt.name} was written: {describe(changes)} (applied from "
+               f"step {meta['step']})")
 
 
 def short(value) -> str:

@@ -1,6 +1,6 @@
 """What a run shows: per-rank log files, rank 0's console, progress bar, TensorBoard, summary.
 
-    <run dir>/config.yaml           the resolved config, written once (rank 0)
+    <run dir>/config.yaml           the resolved config of this run (rank 0; rewritten by a resumed run)
     <run dir>/logs/rank_N.log       every rank's own log
     <run dir>/tensorboard/          rank 0's scalars and hparams
 
@@ -37,9 +37,9 @@ class RunLog:
         self.bar = None
         self.writer = None
         if self.main:
-            config_file = self.run_dir / "config.yaml"
-            if not config_file.exists():  # once per run: a resumed run keeps the original
-                config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            # What this run uses (a resumed run with changed settings: its own; each checkpoint's
+            # meta.pt keeps the config it was written with).
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))

@@ -38,7 +38,9 @@ from minidist.train.faults import FaultPlan
 from minidist.train.collective_failure import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
 from minidist.train.run_log import RunLog
+from minidist.train.optim import optimizer_spec
 from minidist.train.peak_flops import peak_tflops
+from minidist.train.resume_changes import config_changes, describe, schedule_changed
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
 from minidist.train.strategies import local_tensor
 
@@ -222,7 +224,26 @@ class Trainer:
         self.scaler.load_state_dict(meta["scaler"])
         self.sampler.load_state_dict(meta["data"])
         self.step = int(meta["step"])
-        self.log.info(f"resumed from {ckpt} at step {self.step}")
+        changes = config_changes(meta["config"], OmegaConf.to_container(self.cfg, resolve=True))
+        if schedule_changed(changes):
+            self._follow_optim_config()
+        self.log.info(f"resumed from {ckpt} at step {self.step}" +
+                      (f"; settings changed since: {describe(changes)} (applied)" if changes else ""))
+
+    def _follow_optim_config(self) -> None:
+        """The optimizer state came back with the checkpoint's learning rate and options: take this
+        run's (config_check refused those that may not change), and the schedule's point for this
+        step under this run's schedule."""
+        _, kwargs = optimizer_spec(self.cfg.optim)
+        numbers = {k: v for k, v in kwargs.items() if k != "lr" and not isinstance(v, bool)
+                   and isinstance(v, (int, float, tuple))}  # flags (fused, foreach) stay as built
+        s = self.scheduler
+        s.base_lrs = [kwargs["lr"]] * len(self.optimizer.param_groups)
+        for group, factor in zip(self.optimizer.param_groups, s.lr_lambdas):
+            group.update({k: v for k, v in numbers.items() if k in group})
+            group["initial_lr"] = kwargs["lr"]
+            group["lr"] = kwargs["lr"] * factor(s.last_epoch)
+        s._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ the loop
 

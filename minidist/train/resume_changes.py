@@ -1,0 +1,70 @@
+"""A run resumed with other settings than the checkpoint was written with: what may change.
+
+    trainer.resume: settings changed since step_00000020 was written: optim.lr 0.003 -> 0.5,
+        trainer.max_steps 400 -> 800 (applied from step 20)
+
+How the rest of the training goes may change: the learning rate and its schedule, the
+optimizer's other numbers, max_steps, the cadences of logs, evaluations and checkpoints,
+clipping, the strategy's options. What the state or the data stream is made of may not: the
+model, the data, the seed, the batch, the precision, the optimizer's class and the flags that
+shape its state. Those are refused in one line before any rank starts (exit 2), naming each.
+(The world size and the strategy are checked beside them, config_check.check_run_fits.)
+"""
+
+from __future__ import annotations
+
+# Keys (or groups, ending in ".") that may not change on resume, and why.
+FIXED = {
+    "model.": "the model the checkpoint holds",
+    "data.": "the data stream the checkpoint's position counts in",
+    "trainer.seed": "the per-rank random streams the checkpoint continues",
+    "trainer.micro_batch_size": "the batch the data position counts in",
+    "trainer.grad_accum": "the batch the data position counts in",
+    "trainer.global_batch_size": "the batch the data position counts in",
+    "trainer.precision": "the loss scaler's state and the numbers the checkpoint was trained in",
+    "optim._target_": "the optimizer whose state the checkpoint holds",
+    "optim.amsgrad": "the optimizer state's layout",
+    "strategy.name": "the strategy that wrote the checkpoint",
+}
+# Where to resume from, and which local ranks and port: no part of how training goes.
+NOT_SETTINGS = ("trainer.resume", "launcher.")
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    """{"a.b.c": value} for a nested dict of plain values."""
+    out = {}
+    for key, value in (tree or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(key, value in the checkpoint's config, value now) for every setting that differs."""
+    old, new = flatten(saved), flatten(current)
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys
+            if old.get(k) != new.get(k) and not k.startswith(NOT_SETTINGS)]
+
+
+def is_fixed(key: str) -> str | None:
+    """Why `key` may not change on resume, or None if it may."""
+    return next((why for k, why in FIXED.items() if key == k or (k.endswith(".") and key.startswith(k))), None)
+
+
+def describe(changes: list[tuple[str, object, object]], limit: int = 12) -> str:
+    shown = ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, a, b in changes[:limit])
+    return shown + (f" (and {len(changes) - limit} more)" if len(changes) > limit else "")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def schedule_changed(changes) -> bool:
+    """Does the learning rate follow another schedule from here (its peak, warm-up, floor or span)?"""
+    return any(k.startswith("optim.") or k == "trainer.max_steps" for k, _, _ in changes)
