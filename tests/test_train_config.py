@@ -30,6 +30,12 @@ CASES = [
                                                                      r"subclass of minidist.train.data.DataSource"),
     (["data.val_fraction=0"], 2, r"leaves 0 validation samples .* trainer.eval_batches=0 to train without"),
     (["data.val_fraction=-0.1"], 2, r"data.val_fraction=-0.1 must be a fraction in \[0, 1\)"),
+    # keys nothing reads, values left unset, optimizer arguments torch refuses: before any work
+    (["+trainer.foo=1"], 2, r"trainer.foo is not a setting minidist reads .* check its spelling"),
+    (["+launcher.nprocs=4"], 2, r"launcher.nprocs is not a setting minidist reads"),
+    (["data=text_file"], 2, r"data.path is required and has no value: give it, e.g. data.path=..."),
+    (["optim.lr=-1"], 2, r"optim \(AdamW\): Invalid learning rate: -1; fix the optim.\* setting it names"),
+    (["+optim.nosuch=1"], 2, r"optim \(AdamW\): .*unexpected keyword argument 'nosuch'"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
     (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),

@@ -194,7 +194,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, written, step)) from error
     if rank == 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)
     comm.barrier()
     return final
 
@@ -215,7 +215,16 @@ def set_aside_or_remove(old: Path) -> None:
         get_logger().info(f"checkpoint {old.name} could not be read ({str(e)[:200]}); kept as {aside.name}, "
                           f"and the new {old.name} written beside it")
         return
-    shutil.rmtree(old)
+    remove_checkpoint(old)
+
+
+def remove_checkpoint(ckpt: Path) -> None:
+    """Delete a checkpoint folder; one that is a symbolic link loses the link only (what it points
+    to is not the run's to delete)."""
+    if ckpt.is_symlink():
+        ckpt.unlink()
+    else:
+        shutil.rmtree(ckpt)
 
 
 def sync_to_disk(folder: Path, files: bool = True) -> None:

@@ -148,9 +148,53 @@ def check_mesh(strategy_cfg, spec, world_size: int) -> None:
         mesh_dims(strategy_cfg, world_size)
 
 
+# The groups whose keys the trainer reads by name: a key added to them (+trainer.foo=1) is read by
+# nothing, so it is refused rather than silently ignored. (model, data, optim: their keys are the
+# builder's or the class's arguments, checked against its signature; strategy: its spec's options.)
+READ_BY_NAME = ("trainer", "launcher", "debug")
+
+
+def check_keys_read(cfg) -> None:
+    """Refuse keys no part of minidist reads, and required values left unset (???)."""
+    from omegaconf import OmegaConf
+
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]} is required and has no value: give it, e.g. {missing[0]}=...")
+    defaults = compose_defaults()
+    for group in READ_BY_NAME:
+        extra = sorted(set(cfg.get(group, {}).keys()) - set(defaults[group].keys()))
+        if extra:
+            raise ConfigError(f"{group}.{extra[0]} is not a setting minidist reads (the {group} keys are "
+                              f"{', '.join(sorted(defaults[group].keys()))}): remove it, or check its spelling")
+
+
+def compose_defaults():
+    """The trainer's default config, as configs/ defines it (what every key's existence is checked against)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from minidist.train.strategies.registry import CONFIG_DIR
+
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose on its own
+        return compose(config_name="train")
+    with initialize_config_dir(config_dir=str(CONFIG_DIR.parent), version_base="1.3"):
+        return compose(config_name="train")
+
+
+def check_optimizer_arguments(cls, kwargs: dict) -> None:
+    """Build the optimizer once on a probe parameter: a bad value (optim.lr=-1) or argument is
+    refused here, naming it, instead of inside every rank after start-up."""
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **{k: v for k, v in kwargs.items() if k != "fused"})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"optim ({cls.__name__}): {e}; fix the optim.* setting it names") from None
+
+
 def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     """Raise ConfigError for the first problem found; return the checkpoint to resume from (or None)."""
     t = cfg.trainer
+    check_keys_read(cfg)
     spec = check_options(cfg.strategy)  # a known strategy, and only keys it reads
     if spec.single_rank and world_size != 1:
         raise ConfigError(f"strategy={spec.name} runs on one rank, but {world_size} were asked for: set "
@@ -178,12 +222,13 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     peak = t.peak_tflops
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
-    optim_cls, _ = optimizer_spec(cfg.optim)  # an optimizer class it can import, or a ConfigError naming optim._target_
+    optim_cls, optim_kwargs = optimizer_spec(cfg.optim)  # a class it can import, or a ConfigError naming optim._target_
     if spec.flat_optimizer_shards:
         try:
             check_elementwise(optim_cls)
         except TypeError as e:
             raise ConfigError(f"optim._target_={cfg.optim._target_} with strategy={spec.name}: {e}") from None
+    check_optimizer_arguments(optim_cls, optim_kwargs)
     if t.precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision={t.precision!r} is not one of {list(PRECISIONS)}")
     if t.precision == "fp16" and not spec.fp16:  # the others take torch's GradScaler, on CPU as on CUDA

@@ -35,11 +35,14 @@ def report_failure(error: BaseException, rank: int, step: int | None, run_dir: P
     """Append `error`'s traceback to this rank's log; return the one line that describes it
     (`step`: the steps this rank had completed, None before the trainer existed)."""
     log = Path(run_dir) / "logs" / f"rank_{rank}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        f.write(f"rank {rank} stopped with this error:\n{''.join(traceback.format_exception(error))}")
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"rank {rank} stopped with this error:\n{''.join(traceback.format_exception(error))}")
+        kept = f"traceback in {log}"
+    except OSError as e:  # the logs cannot be written (the error may be just that): the line says all
+        kept = f"no traceback kept: {log.parent} cannot be written ({e.__class__.__name__}: {e.strerror or e})"
     text = str(error).strip().splitlines()
     what = text[0] if text else ""
     where = f" after step {step}" if step is not None else " before training started"
-    return (f"error: rank {rank} stopped{where}: {error.__class__.__name__}: {what}; {restart_plan(run_dir)}; "
-            f"traceback in {log}")
+    return f"error: rank {rank} stopped{where}: {error.__class__.__name__}: {what}; {restart_plan(run_dir)}; {kept}"

@@ -24,7 +24,7 @@ from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
 from minidist.train.failure_report import report_failure
 from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
-from minidist.train.run_lock import RunDirectoryInUse, run_directory_lock
+from minidist.train.run_lock import RunDirectoryInUse, RunDirectoryUnwritable, run_directory_lock
 
 
 def local_nproc(launcher_cfg) -> int:
@@ -137,7 +137,11 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if choose_backend(cfg.launcher.backend, detect_launch().local_world_size) == "nccl":
         enable_flight_recorder(Path(run_dir) / "logs")  # a stuck collective is dumped, named (nccl_debug.py)
-    ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
+    try:
+        ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
+    except minidist.RendezvousError as e:  # a port in use, an unreachable master: the message is the fix
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     trainer, path = None, Path(run_dir)
     try:
         path = agree_on_run_dir(Path(run_dir), ctx)
@@ -184,6 +188,9 @@ def launch(cfg, run_dir: str | Path) -> int:
         with run_directory_lock(run_dir) if rank == 0 else contextlib.nullcontext():
             run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
     except RunDirectoryInUse as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RunDirectoryUnwritable as e:  # before any rank: its logs could not have said it
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except RanksFailed as e:

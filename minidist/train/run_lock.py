@@ -34,6 +34,10 @@ class RunDirectoryInUse(ConfigError):
     """Another live run holds the run directory."""
 
 
+class RunDirectoryUnwritable(ConfigError):
+    """The run directory cannot be made or written: no rank could log why it failed."""
+
+
 def _holder(path: Path) -> dict:
     try:
         return json.loads(path.read_text() or "{}")
@@ -58,9 +62,16 @@ def _alive(pid) -> bool:
 def run_directory_lock(run_dir: Path):
     """Hold `run_dir`'s lock for the duration; RunDirectoryInUse if another live run holds it."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # where every rank will write
+        probe = run_dir / "logs" / f".write_test.{os.getpid()}"  # the lock file may exist and open, read-only
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
+        probe.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirectoryUnwritable(f"the run directory {run_dir} cannot be written ({e.__class__.__name__}: "
+                                     f"{e.strerror or e}): give a writable hydra.run.dir") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -118,6 +118,8 @@ def _bytes(n: float) -> str:
 def format_summary(s: dict, run_dir: Path) -> str:
     """The end-of-run table: losses, speed, memory, and where everything is."""
     rows = [("steps", f"{s['step']}")]
+    if s.get("skipped_steps"):
+        rows.append(("skipped steps", f"{s['skipped_steps']} (a non-finite gradient norm: their updates skipped)"))
     for key, label in (("train/loss", "train loss"), ("val/loss", "validation loss"), ("val/accuracy", "val accuracy")):
         if key in s:
             rows.append((label, f"{s[key]:.4f}"))
