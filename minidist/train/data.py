@@ -16,6 +16,7 @@ the real on-disk formats are read by the real loading code.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sysconfig
@@ -126,15 +127,16 @@ class TextBytes(DataSource):
     def info(self) -> DataInfo:
         return DataInfo("text")
 
+    @functools.cached_property
     def _total_bytes(self) -> int:
-        total = sum(f.stat().st_size + 1 for f in self.files())  # from file sizes alone
+        total = sum(f.stat().st_size + 1 for f in self.files())  # from file sizes alone (listed once)
         return min(total, self.max_bytes) if self.max_bytes else total
 
     def train_size(self, block_size: int) -> int:
-        return int(self._total_bytes() * (1.0 - self.val_fraction) - 1) // block_size
+        return int(self._total_bytes * (1.0 - self.val_fraction) - 1) // block_size
 
     def validation_size(self, block_size: int) -> int:
-        total = self._total_bytes()
+        total = self._total_bytes
         return (total - int(total * (1.0 - self.val_fraction)) - 1) // block_size
 
     def build(self, block_size: int):
