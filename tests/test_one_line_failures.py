@@ -31,14 +31,17 @@ def test_a_port_in_use_under_env_var_launch_is_one_line(tmp_path):
     assert f"port {port} is already in use on this machine" in lines[0] and lines[0].startswith("error: ")
 
 
-def test_a_run_directory_that_cannot_be_written_is_named_on_the_console(tmp_path):
+def test_a_run_directory_that_cannot_be_written_is_named_on_the_console(tmp_path, capsys):
     """Its logs cannot be written (a file where the logs folder goes: unwritable for root too):
-    the cause on the console, not a bare "training failed on rank(s) [0]"."""
+    the cause on the console, before any rank starts, not a bare "training failed on rank(s) [0]".
+    (launch() in-process: the recipe's own entry, as test_train_recipe calls it.)"""
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "logs").write_text("not a folder")
-    out = recipe(f"hydra.run.dir={tmp_path / 'run'}")
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert launch(compose_cfg(tiny_overrides("trainer.max_steps=2")), tmp_path / "run") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
     assert "cannot be written (FileExistsError" in lines[0] and "writable hydra.run.dir" in lines[0], lines
 
 

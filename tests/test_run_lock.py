@@ -14,8 +14,14 @@ import pytest
 from minidist.train.run_lock import RunDirectoryInUse, run_directory_lock
 from train_cases import PYTHON, RECIPE, ROOT, tiny_overrides
 
-HOLD = ("import sys, time; from minidist.train.run_lock import run_directory_lock\n"
-        "with run_directory_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(120)\n")
+# Another run's launcher, as the lock sees it: a process holding the flock, its pid recorded
+# (plain fcntl, so that it starts in a blink: run_directory_lock takes the same lock).
+HOLD = ("import fcntl, json, os, socket, sys, time\n"
+        "os.makedirs(sys.argv[1], exist_ok=True)\n"
+        "fd = os.open(os.path.join(sys.argv[1], 'run.lock'), os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+        "os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'started': time.time()}).encode())\n"
+        "print('held', flush=True); time.sleep(120)\n")
 
 
 @pytest.fixture

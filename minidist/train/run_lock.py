@@ -63,15 +63,14 @@ def run_directory_lock(run_dir: Path):
     """Hold `run_dir`'s lock for the duration; RunDirectoryInUse if another live run holds it."""
     run_dir = Path(run_dir)
     path = run_dir / NAME
+    unwritable = lambda e: RunDirectoryUnwritable(  # noqa: E731
+        f"the run directory {run_dir} cannot be written ({e.__class__.__name__}: {e.strerror or e}): give a "
+        "writable hydra.run.dir")
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)  # where every rank will write
-        probe = run_dir / "logs" / f".write_test.{os.getpid()}"  # the lock file may exist and open, read-only
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
-        probe.unlink()
+        run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise RunDirectoryUnwritable(f"the run directory {run_dir} cannot be written ({e.__class__.__name__}: "
-                                     f"{e.strerror or e}): give a writable hydra.run.dir") from None
+        raise unwritable(e) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -86,6 +85,13 @@ def run_directory_lock(run_dir: Path):
                     f"the run directory {run_dir} is recorded in use by {_describe(holder)} ({path}; this file "
                     "system takes no locks): if that run is gone, remove the file; else give this run its own "
                     "hydra.run.dir") from None
+        try:  # where every rank will write: a failure there could not be logged by them
+            (run_dir / "logs").mkdir(exist_ok=True)
+            probe = run_dir / "logs" / f".write_test.{os.getpid()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
+            probe.unlink()
+        except OSError as e:
+            raise unwritable(e) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
         yield path
