@@ -23,7 +23,8 @@ def test_the_users_optimizer_with_param_groups_equals_native_ddp(ranks, kind):
         assert r["ranks_agree"]
 
 
-@pytest.mark.parametrize("kind", [pytest.param("zero2", marks=pytest.mark.slow), "zero3"])  # fast: zero3
+@pytest.mark.slow  # the 2-rank param-group tests above stand for it in make test
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
 def test_param_groups_at_3_ranks_padded_shards_and_empty_pieces(ranks, kind):
     """3 ranks: padded shards, and pieces of a group a rank's slice does not reach (empty)."""
     for r in ranks(3).run(cases.param_groups_match_native, kind):
@@ -41,7 +42,8 @@ def test_param_groups_and_grad_scaler_on_a_2x2_mesh(ranks, kind):
         assert r["vs_native"][1] <= 1e-6, r["vs_native"]
 
 
-@pytest.mark.parametrize("stage", [pytest.param(2, marks=pytest.mark.slow), 3])  # fast: stage 3
+@pytest.mark.slow  # make test: the full optimizer snapshot above, and test_zero's one-group resharding
+@pytest.mark.parametrize("stage", [2, 3])
 def test_sharded_checkpoints_with_param_groups_reshard_4_to_2(ranks, stage):
     saved = ranks(4).run(cases.reshard_with_groups, stage)
     reference, groups = saved[0][1], saved[0][2]
