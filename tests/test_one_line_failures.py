@@ -73,3 +73,46 @@ def test_skipped_steps_are_on_the_console_summary(tmp_path):
     base = {"step": 10, "memory/model_state_bytes": 1, "memory/peak_bytes": 2}
     assert "skipped steps" not in format_summary({**base, "skipped_steps": 0}, tmp_path)
     assert "skipped steps    3 (a non-finite gradient norm" in format_summary({**base, "skipped_steps": 3}, tmp_path)
+
+
+# ---------------------------------------------------------------- item 11: who failed first
+
+
+def test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it(tmp_path):
+    import json
+    import time
+
+    from minidist.train.failure_report import who_failed_first
+
+    def records(**kinds):  # rank -> (kind, seconds after the launch)
+        logs = tmp_path / "logs"
+        shutil.rmtree(logs, ignore_errors=True)
+        logs.mkdir()
+        for rank, (kind, dt) in kinds.items():
+            r = int(rank[1:])
+            (logs / f"rank_{r}.failure.json").write_text(json.dumps(
+                {"rank": r, "kind": kind, "step": 7, "time": t0 + dt, "line": "..."}))
+
+    t0 = time.time()
+    records(r0=("waited", 4.0), r1=("stuck", 7.0))  # rank 1 stalled; rank 0 timed out on it first
+    assert who_failed_first(tmp_path, t0, {0: 1}) == ("rank(s) [1] first (rank 1 stalled after step 7: still inside "
+                                                      "its step when the launcher stopped it); then rank(s) [0], "
+                                                      "waiting for it")
+    records(r0=("error", 1.0), r1=("error", 1.2), r2=("waited", 2.0))  # two failed alike, at once
+    assert who_failed_first(tmp_path, t0, {0: 1}).startswith("rank(s) [0, 1] first (rank 0 failed after step 7; "
+                                                             "rank 1 failed after step 7); then rank(s) [2]")
+    records(r0=("waited", 1.0))  # rank 1 was killed: no record of its own, the launcher saw -9
+    assert who_failed_first(tmp_path, t0, {1: -9}) == ("rank(s) [1] first (rank 1 killed by SIGKILL); then "
+                                                       "rank(s) [0], waiting for it")
+    records(r0=("waited", 1.0), r1=("waited", 1.5))  # all waited: the earliest
+    assert who_failed_first(tmp_path, t0, {0: 1}).startswith("rank(s) [0, 1] first")
+    records(r0=("error", -5.0))  # a record of an earlier launch in the same run directory
+    assert who_failed_first(tmp_path, t0, {0: 1}) == "rank(s) [0]"
+
+
+def test_a_killed_rank_is_named_first_on_the_console(tmp_path):
+    out = recipe("launcher.nproc=2", "trainer.max_steps=6", "debug.kill_rank=1", "debug.kill_at_step=3",
+                 f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert ("error: training failed on rank(s) [1] first (rank 1 killed by SIGKILL); then rank(s) [0], waiting for "
+            "it") in out.stderr, out.stderr[-3000:]

@@ -36,6 +36,7 @@ CASES = [
     (["data=text_file"], 2, r"data.path is required and has no value: give it, e.g. data.path=..."),
     (["optim.lr=-1"], 2, r"optim \(AdamW\): Invalid learning rate: -1; fix the optim.\* setting it names"),
     (["+optim.nosuch=1"], 2, r"optim \(AdamW\): .*unexpected keyword argument 'nosuch'"),
+    (["launcher.stop_grace_s=0"], 2, r"launcher.stop_grace_s=0 must be a positive number of seconds"),
     (["trainer.stop_at=50"], 2, r"trainer.stop_at=50 must be .* trainer.max_steps=20"),
     (["trainer.micro_batch_size=0"], 2, r"trainer.micro_batch_size=0 must be an integer >= 1"),
     (["model=resnet18"], 2, r"model=resnet18 cannot train on data=stdlib_text"),

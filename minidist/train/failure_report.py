@@ -9,11 +9,18 @@ the same event (gloo's "Connection reset by peer" when a peer died). Each rank n
 
 and exits with status 1, so the launcher (torchrun, or `python recipes/train.py`'s own) sees
 the failure and stops or restarts the group as configured.
+
+Each rank also leaves a record (logs/rank_N.failure.json: when, after which step, and whether it
+failed on its own or waiting for a peer), from which our launcher names the ranks that failed
+first (`who_failed_first`): the one that stalled or died, not the survivors that timed out on it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -45,4 +52,74 @@ def report_failure(error: BaseException, rank: int, step: int | None, run_dir: P
     text = str(error).strip().splitlines()
     what = text[0] if text else ""
     where = f" after step {step}" if step is not None else " before training started"
-    return f"error: rank {rank} stopped{where}: {error.__class__.__name__}: {what}; {restart_plan(run_dir)}; {kept}"
+    line = f"error: rank {rank} stopped{where}: {error.__class__.__name__}: {what}; {restart_plan(run_dir)}; {kept}"
+    from minidist.train.collective_failure import CollectiveFailure
+
+    write_record(run_dir, rank, "waited" if isinstance(error, CollectiveFailure) else "error", step, line)
+    return line
+
+
+# What a rank's failure record says it did: failed on its own (error), gave up waiting for a
+# peer (waited: a CollectiveFailure), or was still inside its step when told to stop (stuck).
+KINDS = ("error", "waited", "stuck")
+
+
+def write_record(run_dir: Path, rank: int, kind: str, step: int | None, line: str) -> None:
+    """Leave this rank's failure record for the launcher (best effort: the line is already said)."""
+    record = {"rank": rank, "kind": kind, "step": step, "time": time.time(), "line": line}
+    try:
+        (Path(run_dir) / "logs" / f"rank_{rank}.failure.json").write_text(json.dumps(record))
+    except OSError:
+        pass
+
+
+def read_records(run_dir: Path, since: float) -> dict[int, dict]:
+    """rank -> its failure record, for those written at or after `since` (this launch's)."""
+    records = {}
+    for f in (Path(run_dir) / "logs").glob("rank_*.failure.json"):
+        try:
+            r = json.loads(f.read_text())
+            if r.get("time", 0) >= since and r.get("kind") in KINDS:
+                records[int(r["rank"])] = r
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return records
+
+
+def who_failed_first(run_dir: Path, since: float, exitcodes: dict[int, int | None]) -> str:
+    """The ranks that failed first and how, in words, from the records since `since` and the exit
+    codes the launcher saw (a rank killed by a signal leaves no record).
+
+    A rank that waited for a peer is never first while another failed on its own, stalled, or
+    died; among those, the earliest (and any within a second of it: failing alike, at once)."""
+    records = read_records(run_dir, since)
+    killed = {r: code for r, code in exitcodes.items() if code is not None and code < 0 and r not in records}
+    causes = {r: rec for r, rec in records.items() if rec["kind"] != "waited"}
+    waited = {r: rec for r, rec in records.items() if rec["kind"] == "waited"}
+    first: dict[int, str] = {r: f"killed by {_signal_name(-code)}" for r, code in killed.items()}
+    pool = causes or ({} if first else waited)
+    if pool:
+        earliest = min(rec["time"] for rec in pool.values())
+        for r, rec in pool.items():
+            if rec["time"] <= earliest + 1.0:
+                first[r] = _how(rec)
+    if not first:  # nothing recorded (the logs could not be written): what the launcher saw
+        return f"rank(s) {sorted(exitcodes)}"
+    after = sorted(set(records) - set(first))
+    said = "; ".join(f"rank {r} {first[r]}" for r in sorted(first))
+    then = f"; then rank(s) {after}, waiting for it" if after else ""
+    return f"rank(s) {sorted(first)} first ({said}){then}"
+
+
+def _how(record: dict) -> str:
+    step = record.get("step")
+    at = f" after step {step}" if step is not None else " before training started"
+    return {"error": f"failed{at}", "waited": f"gave up waiting for a peer{at}",
+            "stuck": f"stalled{at}: still inside its step when the launcher stopped it"}[record["kind"]]
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -13,18 +13,20 @@ import atexit
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from minidist.dist import choose_backend, detect_launch, launch_rank
-from minidist.launch import RanksFailed, run_ranks, under_launcher
+from minidist.launch import RanksFailed, Stopped, run_ranks, under_launcher
 from minidist.train.config_check import validate
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
-from minidist.train.failure_report import report_failure
+from minidist.train.failure_report import report_failure, who_failed_first
 from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
 from minidist.train.run_lock import RunDirectoryInUse, RunDirectoryUnwritable, run_directory_lock
+from minidist.train.stop_signal import StopSignals, exit_status
 
 
 def local_nproc(launcher_cfg) -> int:
@@ -84,50 +86,19 @@ def quiet_unless_rank0(run_dir: Path, rank: int):
             os.close(saved[0]), os.close(saved[1])
 
 
-class StoppedByLauncher(RuntimeError):
-    """SIGTERM: the launcher is stopping this rank (another rank failed, or the job was cancelled)."""
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """While inside, SIGTERM raises StoppedByLauncher, so a rank the launcher stops (torchrun stops
-    the survivors when a rank dies; SLURM on scancel or at the time limit) still says in one line
-    which step it had reached and what happens next, instead of vanishing without a word."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():  # handlers live in the main thread
-        yield
-        return
-
-    def stop(signum, frame):
-        raise StoppedByLauncher("the launcher stopped this rank (SIGTERM): another rank failed, or the job was "
-                                "cancelled")
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def finish_reporting_first() -> None:
-    """A rank already stopping on an error ignores the launcher's SIGTERM from here on: torchrun
-    stops the survivors the moment a rank dies, and a StoppedByLauncher raised in the middle of
-    writing the first error's report would lose the one line that says what happened."""
-    import signal
-    import threading
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # sigterm_raises restores the previous handler
-
-
 def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
-    """One rank's whole run: init, train, close. Returns the run's summary."""
-    with sigterm_raises():
-        return _run_rank(cfg_dict, run_dir, resume_from)
+    """One rank's whole run: init, train, close. Returns the run's summary; a stop signal
+    (stop_signal.py) ends it after checkpointing the step reached, with SystemExit(128 + signal)."""
+    with StopSignals(grace_s=float(cfg_dict["launcher"]["stop_grace_s"])) as stop:
+        summary = _run_rank(cfg_dict, run_dir, resume_from, stop)
+    if summary.get("stopped_by"):
+        # The stop's status, not a return value: torch's launcher keeps a rank that returned one
+        # until it next polls, and a signalled launcher does not poll, it waits out its grace.
+        raise SystemExit(exit_status(summary["signal"]))
+    return summary
 
 
-def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
+def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopSignals) -> dict:
     import torch
 
     import minidist
@@ -146,13 +117,12 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     try:
         path = agree_on_run_dir(Path(run_dir), ctx)
         with quiet_unless_rank0(path, ctx.rank):
-            trainer = Trainer(cfg, path, resume_from=resume_from)
+            trainer = Trainer(cfg, path, resume_from=resume_from, stop=stop)
             try:
                 return trainer.fit()
             finally:
                 trainer.close()
     except Exception as e:  # noqa: BLE001 - one line on the console, the traceback in the rank's log
-        finish_reporting_first()
         line = report_failure(e, ctx.rank, trainer.step if trainer is not None else None, path)
         if ctx.rank == 0 or not isinstance(e, CheckpointWriteFailed):  # that one, every rank alike: rank 0 says it
             print(line, file=sys.stderr, flush=True)
@@ -173,6 +143,7 @@ def launch(cfg, run_dir: str | Path) -> int:
     """Validate `cfg` and train; return the process exit status."""
     run_dir = Path(run_dir).absolute()
     rank = launch_rank()
+    started = time.time()  # the ranks' failure records from this launch on are this run's
     try:
         world = world_size_for(cfg)
         ckpt = validate(cfg, world, run_dir)
@@ -186,7 +157,10 @@ def launch(cfg, run_dir: str | Path) -> int:
         # One run per run directory (run_lock.py): taken by the process that starts the ranks
         # (under torchrun, rank 0's), before anything is written there.
         with run_directory_lock(run_dir) if rank == 0 else contextlib.nullcontext():
-            run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume))
+            run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume),
+                                stop_grace_s=float(cfg.launcher.stop_grace_s))
+    except Stopped as e:  # our launcher was signalled too: the ranks, stopped, have said how
+        return exit_status(e.signum)
     except RunDirectoryInUse as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -194,8 +168,10 @@ def launch(cfg, run_dir: str | Path) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except RanksFailed as e:
-        print(f"error: training failed on rank(s) {e.ranks}; each rank's log is in {run_dir / 'logs'}",
-              file=sys.stderr)
+        if (signum := e.stopped_by()) is not None:  # only a rank was signalled: they stopped, as agreed
+            return exit_status(signum)
+        print(f"error: training failed on {who_failed_first(run_dir, started, e.exitcodes)}; each rank's log is in "
+              f"{run_dir / 'logs'}", file=sys.stderr)
         if (line := dumps_line(run_dir / "logs")) is not None:
             print(line, file=sys.stderr)
         return 1

@@ -16,8 +16,10 @@ cannot tell, so their compute includes it) and compute (the rest).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,7 @@ from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import collate
 from minidist.train.device_setup import configure_device, to_device
+from minidist.train.failure_report import write_record
 from minidist.train.faults import FaultPlan
 from minidist.train.collective_failure import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
@@ -42,6 +45,7 @@ from minidist.train.optim import optimizer_spec
 from minidist.train.peak_flops import peak_tflops
 from minidist.train.resume_changes import config_changes, describe, schedule_changed
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
+from minidist.train.stop_signal import StopSignals, signal_name
 from minidist.train.strategies import local_tensor
 
 
@@ -83,7 +87,10 @@ class StepRecord:
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: str | Path, resume_from: str | Path | None = None):
+    def __init__(self, cfg, run_dir: str | Path, resume_from: str | Path | None = None,
+                 stop: StopSignals | None = None):
+        """`stop`: the rank's stop signals (launch_train.run_rank's); with them the ranks agree
+        after every step whether to stop, and a stop checkpoints the step reached."""
         self.cfg, self.run_dir = cfg, Path(run_dir)
         t = cfg.trainer
         self.ctx = ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=cfg.launcher.timeout_s)
@@ -105,6 +112,15 @@ class Trainer:
         self.n_params = count_parameters(self.net)
         self.flops_per_token = gpt_flops_per_token(self.net) if self.is_text else None
         self.step = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote or resumed
+        self.stop = stop
+        if stop is not None:
+            stop.where = lambda: f"after step {self.step}"
+            stop.latest = lambda: latest_checkpoint(self.run_dir)
+            stop.on_stuck = lambda line: write_record(self.run_dir, ctx.rank, "stuck", self.step, line)
+            # The agreement is a CPU tensor's all_reduce: on NCCL, over a gloo group of its own.
+            self._stop_group = None if ctx.backend == "gloo" else torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=float(cfg.launcher.timeout_s)))
         debug = cfg.get("debug")
         self.faults = FaultPlan(debug)  # debug.kill_* / stall_* / nan_*: fault injection
         if debug is not None and debug.get("check_collectives"):
@@ -216,6 +232,7 @@ class Trainer:
                                before_commit=lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step,
                                                                             during="save"))
         self.log.info(f"step {self.step}: checkpoint {path}")
+        self.saved_step = self.step
         return path
 
     def _resume(self, ckpt: Path) -> None:
@@ -223,7 +240,7 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.sampler.load_state_dict(meta["data"])
-        self.step = int(meta["step"])
+        self.step = self.saved_step = int(meta["step"])
         changes = config_changes(meta["config"], OmegaConf.to_container(self.cfg, resolve=True))
         if schedule_changed(changes):
             self._follow_optim_config()
@@ -257,6 +274,8 @@ class Trainer:
         unchecked: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet read on the host
         start = self.step
         while self.step < end:
+            if self.stop is not None and (signum := self._stop_agreed()):
+                return self._stopped(signum)
             if t.timeline_step is not None and self.step + 1 == int(t.timeline_step):
                 m = self.traced_step(batches)
             else:
@@ -303,6 +322,31 @@ class Trainer:
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
         self.log.finish(summary)
         return summary
+
+    def _stop_agreed(self) -> int:
+        """Has any rank received a stop signal? (StopSignals.agreed: a collective, after every step.)"""
+        with self._collectives_named([], self.step + 1):
+            return self.stop.agreed(self._stop_group)
+
+    def _stopped(self, signum: int) -> dict:
+        """A stop signal reached some rank: checkpoint the step every rank has finished (unless it
+        has one already), say so in one line, and end the run as stopped."""
+        self.log.stop_progress()
+        name = signal_name(signum)
+        if self.saved_step == self.step:
+            path = latest_checkpoint(self.run_dir)
+        elif self.step > 0:
+            path = self.save()
+        else:
+            path = None
+        again = ("resume with the same command" if str(self.cfg.trainer.resume) == "auto" else
+                 "resume with trainer.resume=auto (this run has trainer.resume=" f"{self.cfg.trainer.resume})")
+        line = (f"stopped by {name} after step {self.step}; checkpoint {path}; {again}" if path is not None else
+                f"stopped by {name} before the first step: nothing to keep")
+        self.log.logger.info(line)
+        if self.ctx.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return {"step": self.step, "stopped_by": name, "signal": signum, "checkpoint": str(path) if path else None}
 
     @contextlib.contextmanager
     def _collectives_named(self, records: list, step: int | None = None):

@@ -1,0 +1,143 @@
+"""Stop signals (Ctrl-C, preemption): every rank finishes its step, the ranks agree, the step is
+checkpointed, and the run ends in one line.
+
+    with StopSignals(grace_s=25) as stop:        # a rank's main thread, around its whole run
+        stop.where = lambda: f"after step {step}"   # what a forced stop's line says
+        ...
+        signum = stop.agreed(group)              # after each step, on every rank: a collective
+
+SIGINT (Ctrl-C), SIGTERM (Kubernetes, SLURM at the time limit, torchrun passing on its own) and
+SIGUSR1 (SLURM's `--signal=USR1@N` warning) ask for a stop; the signal only sets a flag, so no
+step, collective or save is cut in the middle. `agreed` is a MAX all_reduce of that flag, so all
+ranks leave the loop after the same step, though only one of them was signalled.
+
+Two ways out are forced, both within a bounded time, printing one line and exiting with status
+128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), as a program killed by it would:
+
+- the same kind of signal again, at least `repeat_window_s` after the first: a second Ctrl-C
+  stops at once. (Earlier copies are the launcher passing on what the terminal already sent to
+  the whole process group: torchrun and our launcher forward the signal they receive.)
+- `grace_s` after the first signal, the rank is still not done (a step that never finishes: a
+  peer is stuck; a save slower than the preemption's grace). A save cut short leaves a partial
+  folder that the next start removes; the previous checkpoints are intact.
+
+Both are decided in a watcher thread woken through `signal.set_wakeup_fd`, which the C-level
+handler writes to at once, even while the main thread is blocked inside a collective (where
+Python's own handlers cannot run until it returns).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from typing import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+
+def exit_status(signum: int) -> int:
+    """The exit status of a run stopped by `signum`: the shell's convention for it."""
+    return 128 + int(signum)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class StopSignals:
+    """While inside (a main thread; elsewhere it does nothing), SIGINT/SIGTERM/SIGUSR1 request a
+    stop instead of killing the process. See the module docstring."""
+
+    def __init__(self, grace_s: float = 25.0, repeat_window_s: float = 1.0,
+                 where: Callable[[], str] | None = None, latest: Callable[[], object] | None = None):
+        self.grace_s, self.repeat_window_s = float(grace_s), float(repeat_window_s)
+        self.where = where or (lambda: "before training started")   # for a forced stop's line
+        self.latest = latest or (lambda: None)                       # the latest checkpoint, ditto
+        self.on_stuck: Callable[[str], None] | None = None           # told the line when the grace ran out
+        self.requested = 0            # the first stop signal received (0: none)
+        self._first_at: float | None = None
+        self._active = False
+
+    # ------------------------------------------------------------------ install
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd requires it
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        # A Python handler must exist so that the default action (terminate) does not happen; the
+        # watcher thread, woken by the byte the C handler writes, does the work.
+        self._previous = {s: signal.signal(s, _ignore) for s in STOP_SIGNALS}
+        self._active = True
+        self._watcher = threading.Thread(target=self._watch, name="minidist-stop-signals", daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._active:
+            return
+        self._active = False
+        signal.set_wakeup_fd(self._previous_fd)
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        os.write(self._write, b"\0")  # wakes the watcher, which sees it is no longer needed
+        self._watcher.join(timeout=5)
+        os.close(self._read), os.close(self._write)
+
+    # ------------------------------------------------------------------ the agreement
+
+    def agreed(self, group=None) -> int:
+        """The stop signal any rank has received (the largest number; 0: none). A collective:
+        every rank calls it after the same step, so all of them stop after the same one."""
+        import torch
+
+        from minidist import comm
+
+        flag = torch.tensor([self.requested], dtype=torch.int64)
+        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        return int(flag.item())
+
+    # ------------------------------------------------------------------ the watcher
+
+    def _watch(self) -> None:
+        while self._active:
+            timeout = None if self._first_at is None else max(0.0, self._first_at + self.grace_s - time.monotonic())
+            ready, _, _ = select.select([self._read], [], [], timeout)
+            if not self._active:
+                return
+            if not ready:  # the grace is over and the rank is still not done
+                self._force(self.requested, f"by {signal_name(self.requested)}",
+                            f": still unfinished launcher.stop_grace_s={self.grace_s:g} s later (a step, or its "
+                            "checkpoint, that did not end: a stuck peer?)", stuck=True)
+            for signum in os.read(self._read, 64):
+                if signum in STOP_SIGNALS:
+                    self._received(signum)
+
+    def _received(self, signum: int) -> None:
+        now = time.monotonic()
+        if self._first_at is None:
+            self.requested, self._first_at = signum, now
+        elif now - self._first_at >= self.repeat_window_s:
+            self._force(signum, f"at once by a second {signal_name(signum)}")
+
+    def _force(self, signum: int, how: str, why: str = "", stuck: bool = False) -> None:
+        """The one line, then exit with no more work: nothing here waits for the main thread."""
+        try:
+            line = (f"error: stopped {how} {self.where()}{why}; the latest checkpoint is {self.latest() or 'none'}; "
+                    "resume with the same command")
+            if stuck and self.on_stuck is not None:
+                self.on_stuck(line)
+        except Exception as e:  # noqa: BLE001 - the exit must happen whatever the description does
+            line = f"error: stopped {how}{why} ({e.__class__.__name__} describing where)"
+        try:  # os.write: no lock the main thread could be holding (print's would be)
+            os.write(2, (line + "\n").encode())
+        finally:
+            os._exit(exit_status(signum))
+
+
+def _ignore(signum, frame) -> None:
+    """The Python-level handler: nothing (the watcher thread acts on the wakeup byte)."""
