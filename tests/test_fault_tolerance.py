@@ -184,7 +184,7 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, 
     tag = uuid.uuid4().hex
     env = {**ENV, "MINIDIST_TEST_TAG": tag}
     start = time.monotonic()
-    out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=4", "launcher.stop_grace_s=3",
+    out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=4", "launcher.stop_grace_s=2",
                           *tiny_overrides("debug.stall_rank=1", "debug.stall_at_step=3", f"hydra.run.dir={tmp_path}",
                                           strategy=strategy)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -197,7 +197,7 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, 
     # the launcher's SIGTERM found it still in its step, and it gave up launcher.stop_grace_s later.
     assert ("error: training failed on rank(s) [1] first (rank 1 stalled after step 2: still inside its step "
             "when the launcher stopped it); then rank(s) [0], waiting for it") in out.stderr, out.stderr[-3000:]
-    assert "still unfinished launcher.stop_grace_s=3 s later" in (tmp_path / "logs" / "rank_1.console").read_text()
+    assert "still unfinished launcher.stop_grace_s=2 s later" in (tmp_path / "logs" / "rank_1.console").read_text()
     assert elapsed < 90
     deadline = time.monotonic() + 10
     while leftover_processes(tag) and time.monotonic() < deadline:

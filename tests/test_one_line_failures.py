@@ -1,10 +1,12 @@
-"""One line, the right one (issue 26, items 10 and 12): failures that used to end under a
+"""One line, the right one (issue 26, items 10 to 12): failures that used to end under a
 traceback, in a bare "training failed on rank(s) [0]", or after training with no summary."""
 
 import os
 import shutil
 import socket
 import subprocess
+
+import pytest
 
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.run_log import format_summary
@@ -110,6 +112,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it(tmp
     assert who_failed_first(tmp_path, t0, {0: 1}) == "rank(s) [0]"
 
 
+@pytest.mark.slow  # stands for it in make test: test_fault_tolerance's stalled-rank case names the stalled rank first
 def test_a_killed_rank_is_named_first_on_the_console(tmp_path):
     out = recipe("launcher.nproc=2", "trainer.max_steps=6", "debug.kill_rank=1", "debug.kill_at_step=3",
                  f"hydra.run.dir={tmp_path}")

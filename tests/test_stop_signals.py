@@ -36,9 +36,14 @@ def test_a_stop_signal_sets_the_flag_and_the_process_lives_on():
     assert signal.getsignal(signal.SIGTERM) is before  # handlers (and the wakeup fd) given back
 
 
+# stop_signal.py alone, loaded from its file: what it does needs no torch (whose import would
+# be most of this test's time).
 FORCED = textwrap.dedent("""
-    import os, signal, sys, time
-    from minidist.train.stop_signal import StopSignals
+    import importlib.util, os, signal, sys, time
+    spec = importlib.util.spec_from_file_location("stop_signal", "minidist/train/stop_signal.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    StopSignals = module.StopSignals
     with StopSignals(grace_s=float(sys.argv[1]), where=lambda: "after step 7",
                      latest=lambda: "checkpoints/step_00000005") as stop:
         stop.on_stuck = lambda line: open(sys.argv[2], "w").write(line)

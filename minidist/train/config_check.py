@@ -206,7 +206,7 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         _positive(cfg, key, minimum=0)
     if t.stop_at is not None and not (isinstance(t.stop_at, int) and 1 <= t.stop_at <= t.max_steps):
         raise ConfigError(f"trainer.stop_at={t.stop_at!r} must be a step between 1 and trainer.max_steps={t.max_steps}")
-    for key in ("timeout_s", "stop_grace_s"):
+    for key in (k for k in ("timeout_s", "stop_grace_s") if k in cfg.launcher):  # the comparison has no stop_grace_s
         value = cfg.launcher.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"launcher.{key}={value!r} must be a positive number of seconds")
