@@ -212,6 +212,7 @@ def init_with(env_vars: dict) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-c", INIT], env={**ENV, **env_vars}, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.slow  # stands for it in make test: test_one_line_failures' test_a_port_in_use_under_env_var_launch_is_one_line
 def test_port_in_use_is_named():
     import socket
 
