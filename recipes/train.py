@@ -9,26 +9,10 @@
 
 Everything (logs, TensorBoard, checkpoints, config.yaml) lands in the run directory,
 outputs/train/DATE/TIME unless hydra.run.dir says otherwise. Configuration: configs/train.yaml.
+Once installed, the same is `minidist train ...` or `python -m minidist.train ...` (minidist/train/app.py).
 """
 
-import sys
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
-from minidist.dist import launch_rank
-from minidist.train.launch_train import launch
-
-
-@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    status = launch(cfg, HydraConfig.get().runtime.output_dir)
-    if status:
-        sys.exit(status)
-
+from minidist.train.app import main
 
 if __name__ == "__main__":
-    if launch_rank() != 0:
-        sys.argv.append("hydra/hydra_logging=disabled")  # Hydra's own lines come from rank 0 only
-    main()
+    main(prog="python recipes/train.py")

@@ -36,7 +36,7 @@ import torch
 from minidist import comm
 from minidist.dist import get_logger
 from minidist.train.errors import ConfigError
-from minidist.train.manifest import write_manifest
+from minidist.train.manifest import NAME as MANIFEST, write_manifest
 from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
 from minidist.train.strategies import shard_path
 
@@ -307,17 +307,45 @@ def consolidate(ckpt: Path) -> dict:
             else shards[0]["replicated"][key] for key in layout["order"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def describe(ckpt: Path) -> str:
+    """`minidist checkpoint info`: what a checkpoint holds, every file checked against its manifest
+    first (a ConfigError names the first that fails)."""
+    ckpt = Path(ckpt).absolute()
+    unlisted = verify_checkpoint_files(ckpt)
+    meta = read_meta(ckpt)
+    files = [p for p in ckpt.rglob("*") if p.is_file() and p.relative_to(ckpt).as_posix() not in {*unlisted, MANIFEST}]
+    cfg = meta.get("config") or {}
+    model, data, optim = cfg.get("model", {}), cfg.get("data", {}), cfg.get("optim", {})
+    shards = meta.get("shards", meta["world_size"])
+    layout = f"sharded: {shards} shard file(s)" if meta["sharded"] else "a full state_dict (model.pt)"
+    rows = [("checkpoint", str(ckpt)),
+            ("step", f"{meta['step']} of {cfg.get('trainer', {}).get('max_steps', '?')} (trainer.max_steps)"),
+            ("strategy", f"{meta['strategy']}, {meta['world_size']} rank(s); {layout}"),
+            ("model", f"{model.get('name', '?')} on {data.get('name', '?')}"),
+            ("optimizer", f"{optim.get('_target_', '?')}, lr {optim.get('lr', '?')}"),
+            ("files", f"{len(files)} listed in its manifest, all verified: {folder_bytes(ckpt) / 2**20:,.1f} MiB"),
+            ("resume", f"trainer.resume={ckpt} (or trainer.resume=auto with hydra.run.dir={ckpt.parent.parent})")]
+    if unlisted:
+        rows.append(("not part of it", f"{len(unlisted)} unlisted file(s), never opened: {', '.join(unlisted[:5])}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minidist.checkpoint") -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m minidist.checkpoint",
-                                     description="Tools for minidist trainer checkpoints.")
+    parser = argparse.ArgumentParser(prog=prog, description="Tools for minidist trainer checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("info", help="what a checkpoint holds (step, strategy, model, files verified)")
+    i.add_argument("ckpt_dir", type=Path, help="a checkpoints/step_XXXXXXXX folder")
     c = sub.add_parser("consolidate", help="write a plain full state_dict (torch.load-able into the bare model)")
     c.add_argument("ckpt_dir", type=Path, help="a checkpoints/step_XXXXXXXX folder")
     c.add_argument("out", type=Path, help="the .pt file to write")
     args = parser.parse_args(argv)
     try:
+        if args.command == "info":
+            print(describe(args.ckpt_dir))
+            return 0
         state = consolidate(args.ckpt_dir)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

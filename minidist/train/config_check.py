@@ -174,11 +174,11 @@ def compose_defaults():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from minidist.train.strategies.registry import CONFIG_DIR
+    from minidist.train.config_dir import config_dir
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose on its own
         return compose(config_name="train")
-    with initialize_config_dir(config_dir=str(CONFIG_DIR.parent), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose(config_name="train")
 
 

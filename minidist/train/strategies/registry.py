@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from minidist.train.config_dir import config_dir
 from minidist.train.errors import ConfigError
 from minidist.train.strategies.spec import StrategySpec
 
@@ -122,7 +123,7 @@ def reference_for(name: str, present: list[str], overrides: dict | None = None) 
 
 # The strategy configs (configs/strategy/NAME.yaml) are where every default lives; code that builds
 # a strategy without Hydra (benchmarks, measurements) reads the same files.
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "strategy"
+CONFIG_DIR = config_dir() / "strategy"
 
 
 def _yaml_config(name: str):

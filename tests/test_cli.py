@@ -1,0 +1,38 @@
+"""The `minidist` command (minidist/cli.py) in-process: its help, a wrong command in one line,
+and `minidist checkpoint info` on a real checkpoint, a tampered one refused. The installed
+wheel, end to end: test_wheel.py (slow)."""
+
+from minidist import cli
+from minidist.train.checkpoint import latest_checkpoint
+from minidist.train.config_dir import config_dir
+from train_cases import ROOT, tiny, train_on_rank
+
+
+def test_help_and_a_wrong_command(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "checkpoint  info CKPT | consolidate CKPT OUT.pt" in capsys.readouterr().out
+    assert cli.main([]) == 2
+    capsys.readouterr()
+    assert cli.main(["trian"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["error: minidist trian: no such command; the commands are train, compare, tour, checkpoint "
+                     "(minidist --help)"]
+
+
+def test_checkpoint_info_verifies_the_files_and_says_what_it_holds(ranks, tmp_path, capsys):
+    ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", strategy="zero2"), str(tmp_path), timeout_s=240)
+    ckpt = latest_checkpoint(tmp_path)
+    assert cli.main(["checkpoint", "info", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "step        2 of 2 (trainer.max_steps)" in out
+    assert "strategy    zero2, 2 rank(s); sharded: 2 shard file(s)" in out
+    assert "listed in its manifest, all verified" in out and f"trainer.resume={ckpt}" in out
+    with open(ckpt / "meta.pt", "ab") as f:  # one byte more than its manifest says
+        f.write(b"\0")
+    assert cli.main(["checkpoint", "info", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "meta.pt" in err[0], err
+
+
+def test_the_configs_are_the_repository_s_in_a_checkout():
+    assert config_dir() == ROOT / "configs"  # a wheel carries its copy as minidist/_configs (test_wheel.py)
