@@ -37,6 +37,9 @@ class GPTConfig:
     # No bias on q/k/v: the key bias gets an exactly-zero gradient (softmax ignores a shift
     # shared by all keys), and Adam would turn its rounding noise into full-size updates.
     qkv_bias: bool = False
+    # Dropout on the embeddings and on each residual branch (attention, MLP), as in GPT-2; 0 adds
+    # no op at all, so results and random streams stay those of the model without it.
+    dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
@@ -54,9 +57,14 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    return F.dropout(x, p, training) if p > 0 else x
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.p = cfg.dropout
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
@@ -64,8 +72,8 @@ class Block(nn.Module):
                                  nn.Linear(4 * cfg.n_embd, cfg.n_embd))
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + dropout(self.attn(self.ln1(x)), self.p, self.training)
+        return x + dropout(self.mlp(self.ln2(x)), self.p, self.training)
 
 
 class GPT(nn.Module):
@@ -91,7 +99,8 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         T = idx.shape[1]
-        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        x = dropout(self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device)), self.cfg.dropout,
+                    self.training)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
@@ -132,7 +141,8 @@ class ImageMLP(nn.Module):
 
 def _gpt(model_cfg, info) -> nn.Module:
     return GPT(vocab_size=info.vocab_size, block_size=int(model_cfg.block_size), n_layer=int(model_cfg.n_layer),
-               n_head=int(model_cfg.n_head), n_embd=int(model_cfg.n_embd), tie_weights=bool(model_cfg.tie_weights))
+               n_head=int(model_cfg.n_head), n_embd=int(model_cfg.n_embd), tie_weights=bool(model_cfg.tie_weights),
+               dropout=float(model_cfg.dropout))
 
 
 def _resnet18(model_cfg, info) -> nn.Module:
