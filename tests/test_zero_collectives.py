@@ -1,0 +1,44 @@
+"""strategy.collectives reaches ZeRO's collectives (issue 27, part 2: forcing every stage to the
+backend passed the suite). Each stage trains two steps under the tracer with collectives=ring,
+backend and auto; every reduce_scatter and all_gather it made must have run as named (auto on
+gloo: the ring for reduce_scatter, the backend's all_gather for payloads under 4 MiB, as
+minidist.comm's measured RING_WINS_FROM says)."""
+
+import pytest
+
+EXPECTED = {
+    "ring": {"reduce_scatter": {"ring"}, "all_gather": {"ring"}},
+    "backend": {"reduce_scatter": {"backend"}, "all_gather": {"backend"}},
+    "auto": {"reduce_scatter": {"ring"}, "all_gather": {"backend"}},  # this model's payloads are far below 4 MiB
+}
+
+
+def algorithms_used(stage: int, collectives: str) -> dict[str, set[str]]:
+    """op -> the algorithms its calls ran with, over two optimizer steps on this rank."""
+    import torch.distributed as dist
+
+    import minidist
+    from minidist import comm
+    from ddp_cases import build, step_loop
+    from zero_cases import OPTIMIZERS
+
+    model = minidist.ShardedDataParallel(build("mlp"), OPTIMIZERS["adamw"], stage=stage, collectives=collectives)
+
+    def step():
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+
+    with comm.CommTracer() as tracer:
+        step_loop(model, model.no_sync, step, "mlp", 2, 1, dist.get_rank(), dist.get_world_size())
+    used: dict[str, set[str]] = {}
+    for r in tracer.records:
+        if r.op in ("reduce_scatter", "all_gather"):
+            used.setdefault(r.op, set()).add(r.algorithm)
+    return used
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_runs_the_collectives_it_is_told_to(ranks, stage):
+    for collectives, expected in EXPECTED.items():
+        for rank, used in enumerate(ranks(2).run(algorithms_used, stage, collectives, timeout_s=120)):
+            assert used == expected, f"stage {stage}, collectives={collectives}, rank {rank}: {used}"
