@@ -137,12 +137,16 @@ def save_then_continue(stage: int):
         train_global(model, model.optimizer, range(s, s + 1))
         scheduler.step()
     saved = model.sharded_state_dict()
+    at_save = model.full_state_dict(), model.full_optim_state_dict()  # what any world size must load back
     train_global(model, model.optimizer, range(10, 15))
-    return saved, model.full_state_dict()
+    return saved, model.full_state_dict(), at_save
 
 
 def load_and_continue(stage: int, saved: list):
+    """Load the 4-rank shards at this world size; the state as loaded (re-cut: the same bytes,
+    to be compared bitwise), then the state after 5 more steps."""
     model, _ = make_sharded(stage)
     model.load_sharded_state_dict(saved)
+    loaded = model.full_state_dict(), model.full_optim_state_dict()
     train_global(model, model.optimizer, range(10, 15))
-    return model.full_state_dict(), model.optimizer.param_groups[0]["lr"]
+    return model.full_state_dict(), model.optimizer.param_groups[0]["lr"], loaded
