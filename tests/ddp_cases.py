@@ -179,3 +179,40 @@ def compare_with_native(model="mlp", optim="sgd", steps=10, accumulate=1, bucket
     everyone = minidist.comm.all_gather_object(params)
     result["ranks_agree"] = all(torch.equal(everyone[0][k], sd[k]) for sd in everyone for k in sd)
     return result
+
+
+def gradient_excess_over_rounding(model: str = "mlp") -> tuple[float, str]:
+    """One backward on this rank's batch through native DDP and through ours: the worst ratio,
+    over every gradient element, of |ours - native| to what rounding allows them to differ by.
+
+    The averaged gradient is (g_1 + ... + g_n) / n of the ranks' local gradients g_i. Summed in
+    any order, divided before or after, each of the two is within u * sum_i |g_i| of the exact
+    value (u = 2**-24, fp32's unit roundoff), so they differ by at most 2u * sum_i |g_i|: a ratio
+    above 1 is an error, not rounding. A scale error of 1e-6 in the averaging exceeds it wherever
+    the ranks' gradients do not largely cancel (the parameter comparisons, after the optimizer,
+    cannot see it: Adam's update is almost scale-free, and SGD's is a small part of the weight)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build(model)
+    x, y = global_batch(model, 0, 0, n)
+    x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
+
+    native_inner = perturbed(base, rank)
+    native = DDP(native_inner)  # rank 0's weights, broadcast
+    local = copy.deepcopy(native_inner)
+    ours_inner = copy.deepcopy(native_inner)
+    ours = minidist.DataParallel(ours_inner)
+    for net in (native, ours, local):
+        loss_fn(model, net(x), y).backward()
+    u = 2.0 ** -24
+    worst, where = 0.0, ""
+    for (name, p_native), p_ours, p_local in zip(native_inner.named_parameters(), ours_inner.parameters(),
+                                                 local.parameters()):
+        abs_sum = p_local.grad.detach().abs().double()
+        dist.all_reduce(abs_sum)
+        allowed = 2 * u * abs_sum + 1e-45  # a gradient that is exactly 0 everywhere must be 0 in both
+        ratio = ((p_ours.grad.double() - p_native.grad.double()).abs() / allowed).max().item()
+        if ratio > worst:
+            worst, where = ratio, name
+    return worst, where
