@@ -10,6 +10,20 @@ from minidist import comm
 from minidist.memory import live_tensor_bytes
 
 
+# A benchmark variant is a strategy's name, or that name and how it was run: not compiled
+# (recipes/bench_compile.py), with gloo's collectives instead of our ring (recipes/bench_zero.py).
+VARIANT_SUFFIXES = ("_eager", "_backend")
+
+
+def variant_spec(variant: str):
+    """The StrategySpec a benchmark variant runs: what code asks instead of reading the name."""
+    from minidist.train.strategies import spec
+
+    for suffix in VARIANT_SUFFIXES:
+        variant = variant.removesuffix(suffix)
+    return spec(variant)
+
+
 def rotated(names: list[str], step: int) -> list[str]:
     """The variants in a different order each step, so none always runs first or last."""
     k = step % len(names)

@@ -232,7 +232,8 @@ def plot(path: str, algorithm: str = "ring") -> None:
                 # Several strategies cost the same (ddp = zero1 = zero2 with a ring; ddp_hierarchical
                 # = hsdp2): styles differ so that every line stays visible.
                 k = STRATEGIES.index(s)
-                ax.plot(xs, ys, marker="os^vDP*"[k], linestyle=("-", "--", ":", "-.")[k % 4], label=s, alpha=0.85,
+                markers = "os^vDP*"  # cycled: a strategy registered later (any number) still gets one
+                ax.plot(xs, ys, marker=markers[k % len(markers)], linestyle=("-", "--", ":", "-.")[k % 4], label=s, alpha=0.85,
                         markersize=4 + (k % 3))
                 ax.plot([x for x, f in zip(xs, fits) if not f], [y for y, f in zip(ys, fits) if not f], "x",
                         color="black", markersize=9)

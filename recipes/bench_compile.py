@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import bootstrap_median_ci, require_known, rotated, slowest, write_json
+from minidist.benchmarking import bootstrap_median_ci, require_known, rotated, slowest, variant_spec, write_json
 from minidist.launch import run_recipe
 from minidist.train.models import GPT, count_parameters
 
@@ -47,18 +47,19 @@ def make_variant(name: str, cfg, device):
     """(the callable model, its optimizer, how it clips): the loop as a user writes it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     net = build(cfg, device)
-    compiled = name != "native_ddp_eager"
+    compiled = not name.endswith("_eager")
     if compiled and cfg.placement == "inner":
         net = torch.compile(net, backend=cfg.compiler)
     factory = functools.partial(torch.optim.AdamW, lr=1e-4)
-    if name.startswith("native_ddp"):
+    strategy = variant_spec(name)
+    if strategy.kind == "native":  # the variants take native DDP only
         model, opt = DDP(net), factory(net.parameters())
         clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(net.parameters()), 1.0)
-    elif name == "ddp":
+    elif strategy.zero_stage == 0:
         model, opt = minidist.DataParallel(net), factory(net.parameters())
         clip = functools.partial(torch.nn.utils.clip_grad_norm_, list(net.parameters()), 1.0)
     else:
-        stage = int(name[-1])
+        stage = strategy.zero_stage
         model = minidist.ShardedDataParallel(net, factory, stage=stage,
                                              **({"min_unit_params": int(cfg.min_unit_params)} if stage == 3 else {}))
         opt, clip = model.optimizer, functools.partial(model.clip_grad_norm_, 1.0)

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import fill_quotes, provenance, regenerate_document  # noqa: E402
+from minidist.benchmarking import fill_quotes, provenance, regenerate_document, variant_spec  # noqa: E402
 from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
 from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
@@ -237,7 +237,7 @@ def scaling_section(results: dict[int, dict], img: Path) -> list[str]:
             cells.append(f"{ms(step)} / {r['global_batch'] / step:.0f} / {state:.2f}")
             xs.append(n), t.append(step * 1e3), thr.append(r["global_batch"] / step), mem.append(state)
         body.append(cells)
-        style = "-" if name in ("ddp", "zero2", "zero3") else "--"
+        style = "-" if variant_spec(name).kind == "minidist" else "--"  # ours solid, the references dashed
         for ax, ys in zip(axes, (t, thr, mem)):
             ax.plot(xs, ys, style, marker="o", label=name)
     for ax, label in zip(axes, ("step time (ms)", "samples/s (all ranks)", "model state per rank (MiB)")):

@@ -17,9 +17,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from minidist.benchmarking import variant_spec  # noqa: E402
 DATA = ROOT / "docs" / "benchmarks" / "data"
 DOC = ROOT / "docs" / "compile.md"
 TARGET = 1.05  # within 5% of native DDP compiled: what "keeps pace" means here
+
+
+def is_reference(variant: str) -> bool:
+    """Native DDP compiled, what every variant's step is divided by (recipes/bench_compile.py)."""
+    return variant_spec(variant).kind == "native" and not variant.endswith("_eager")
 
 
 def verdict(lo: float, hi: float) -> str:
@@ -47,11 +54,11 @@ def section(name: str, r: dict) -> list[str]:
     ]
     for variant, row in r["variants"].items():
         lo, hi = row["ratio_ci95"]
-        judged = "reference" if variant == "native_ddp" else \
+        judged = "reference" if is_reference(variant) else \
             ("(not compiled: what compiling buys)" if variant.endswith("_eager") else verdict(lo, hi))
         lines.append(f"| {variant} | {row['median_step_s'] * 1e3:.2f} ms | {row['paired_ratio']:.3f} | "
                      f"{lo:.3f}-{hi:.3f} | {judged} |")
-    ours = {v: row for v, row in r["variants"].items() if v not in ("native_ddp", "native_ddp_eager")}
+    ours = {v: row for v, row in r["variants"].items() if variant_spec(v).kind == "minidist"}
     keeps = [v for v, row in ours.items() if row["ratio_ci95"][1] <= TARGET]
     lines += ["", f"Of ours, {len(keeps)} of {len(ours)} keep pace with native DDP compiled "
                   f"(95% interval's upper end <= {TARGET}): {', '.join(keeps) or 'none'}.", ""]
@@ -93,7 +100,7 @@ def placement_section(results: list[dict]) -> list[str]:
         if set(runs) != {"inner", "outer"}:
             continue
         for variant in runs["inner"]["variants"]:
-            if variant.startswith("native") or variant not in runs["outer"]["variants"]:
+            if variant_spec(variant).kind != "minidist" or variant not in runs["outer"]["variants"]:
                 continue
             (ilo, ihi), (olo, ohi) = (runs[p]["variants"][variant]["ratio_ci95"] for p in ("inner", "outer"))
             closer = "before wrapping" if ihi < olo else "the wrapper" if ohi < ilo else "either (intervals overlap)"

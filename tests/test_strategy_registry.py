@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import contextlib
 from pathlib import Path
 
@@ -116,17 +117,29 @@ def test_the_readme_shows_this_example():
 NOT_A_STRATEGY = {("minidist/dist.py", "single")}  # LaunchInfo.launcher: a process started without a launcher
 
 
-def strategy_names_spelled(path: Path, names: set[str]) -> list[tuple[int, str]]:
+def strategy_names_spelled(path: Path, names: set[str], branching_only: bool = False) -> list[tuple[int, str]]:
     """(line, text) of each string constant in `path` that is a strategy's name, or a prefix of
-    one given to startswith/endswith (the dispatch the registry replaced); docstrings aside."""
+    one given to startswith/endswith, compared with a slice or completed in an f-string (the
+    dispatch the registry replaced); docstrings aside. `branching_only` (recipes/, scripts/, which
+    may name the strategies they run): a name only where it is compared (==, !=, in a literal)."""
     tree = ast.parse(path.read_text())
+    # Compared: name == "ddp", name in ("ddp", "zero2") (dispatch); not "ddp" in rows (a lookup of
+    # what was run, by the name the user chose).
+    compared = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for left, op, right in zip([node.left, *node.comparators], node.ops, node.comparators):
+                literal = isinstance(right, (ast.Tuple, ast.List, ast.Set))
+                sides = (left, right) if isinstance(op, (ast.Eq, ast.NotEq)) else \
+                        (right,) if isinstance(op, (ast.In, ast.NotIn)) and literal else ()
+                compared |= {id(c) for side in sides for c in ast.walk(side)}
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                   and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
-                and node.value in names:
+                and node.value in names and (not branching_only or id(node) in compared):
             found.append((node.lineno, node.value))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                 node.func.attr in ("startswith", "endswith", "removeprefix"):
@@ -134,6 +147,19 @@ def strategy_names_spelled(path: Path, names: set[str]) -> list[tuple[int, str]]
                 if isinstance(c, ast.Constant) and isinstance(c.value, str) and len(c.value) >= 3 and \
                         any(n.startswith(c.value) for n in names):
                     found.append((c.lineno, f"startswith({c.value!r})"))
+        if isinstance(node, ast.Compare):  # name[:4] == "zero": a prefix compared with a slice
+            sides = [node.left, *node.comparators]
+            if any(isinstance(x, ast.Subscript) and isinstance(x.slice, ast.Slice) for x in sides):
+                for c in sides:
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str) and len(c.value) >= 3 and \
+                            any(n.startswith(c.value) and n != c.value for n in names):
+                        found.append((c.lineno, f"[:{len(c.value)}] == {c.value!r}"))
+        if isinstance(node, ast.JoinedStr):  # f"hsdp{k}": a name built from a prefix
+            for piece, after in zip(node.values, node.values[1:]):
+                if isinstance(piece, ast.Constant) and isinstance(after, ast.FormattedValue):
+                    tail = re.split(r"[^A-Za-z0-9_]", piece.value)[-1]
+                    if len(tail) >= 3 and any(n.startswith(tail) and n != tail for n in names):
+                        found.append((node.lineno, f"f'{tail}{{...}}'"))
     return found
 
 
@@ -143,14 +169,21 @@ def test_no_module_outside_the_registry_spells_a_strategy_name():
     known = set(names())
     package = ROOT / "minidist"
     spelled = {}
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted(p for top in ("minidist", "recipes", "scripts") for p in (ROOT / top).rglob("*.py")):
         rel = path.relative_to(ROOT)
         if (package / "train" / "strategies") in path.parents:
             continue
-        hits = [h for h in strategy_names_spelled(path, known) if (str(rel), h[1]) not in NOT_A_STRATEGY]
+        hits = [h for h in strategy_names_spelled(path, known, branching_only=package not in path.parents)
+                if (str(rel), h[1]) not in NOT_A_STRATEGY]
         if hits:
             spelled[str(rel)] = hits
     assert not spelled, f"strategy names outside minidist/train/strategies/ (read them from the spec): {spelled}"
+
+
+def test_the_scan_finds_a_name_built_or_sliced(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text('if name[:4] == "zero":\n    other = f"hsdp{k}"\nok = f"strategy={name}"\n')
+    assert sorted(strategy_names_spelled(f, {"zero2", "hsdp2"})) == [(1, "[:4] == 'zero'"), (2, "f'hsdp{...}'")]
 
 
 def test_the_scan_finds_a_spelled_name(tmp_path):
