@@ -22,10 +22,14 @@ from train_cases import tiny
 
 
 def test_a_span_on_the_host_clock_measures_what_it_covers():
+    before = time.perf_counter()
     span = Span("cpu").start()
     time.sleep(0.05)
     span.stop()
-    assert span.done() and 0.045 <= span.seconds() < 0.5
+    around = time.perf_counter() - before
+    # Bounded by what it covers: the sleep (at least 50 ms) and a clock read around it; no guess
+    # of how slow a loaded machine may be.
+    assert span.done() and 0.05 <= span.seconds() <= around
     assert clock_name(torch.device("cpu")).startswith("host clock")
     assert clock_name(torch.device("cuda")).startswith("CUDA events")
     with pytest.raises(RuntimeError, match="start.*stop"):
