@@ -69,11 +69,9 @@ class RanksFailed(RuntimeError):
     def stopped_by(self) -> int | None:
         """The stop signal, when every failed rank ended with a stop's status (128 + SIGINT,
         SIGTERM or SIGUSR1: stop_signal.py's), else None."""
-        stops = {code - 128 for code in self.exitcodes.values() if code is not None and code > 128}
-        allowed = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-        if len(stops) == 1 and stops <= allowed and all(c is not None and c > 128 for c in self.exitcodes.values()):
-            return stops.pop()
-        return None
+        signums = {code - 128 if code is not None else None for code in self.exitcodes.values()}
+        stops = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        return signums.pop() if len(signums) == 1 and signums <= stops else None
 
 
 class Stopped(RuntimeError):

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 import traceback
 from pathlib import Path
 
 from minidist.train.checkpoint import latest_checkpoint
+from minidist.train.stop_signal import signal_name
 
 
 def restart_plan(run_dir: Path) -> str:
@@ -96,7 +96,7 @@ def who_failed_first(run_dir: Path, since: float, exitcodes: dict[int, int | Non
     killed = {r: code for r, code in exitcodes.items() if code is not None and code < 0 and r not in records}
     causes = {r: rec for r, rec in records.items() if rec["kind"] != "waited"}
     waited = {r: rec for r, rec in records.items() if rec["kind"] == "waited"}
-    first: dict[int, str] = {r: f"killed by {_signal_name(-code)}" for r, code in killed.items()}
+    first: dict[int, str] = {r: f"killed by {signal_name(-code)}" for r, code in killed.items()}
     pool = causes or ({} if first else waited)
     if pool:
         earliest = min(rec["time"] for rec in pool.values())
@@ -116,10 +116,3 @@ def _how(record: dict) -> str:
     at = f" after step {step}" if step is not None else " before training started"
     return {"error": f"failed{at}", "waited": f"gave up waiting for a peer{at}",
             "stuck": f"stalled{at}: still inside its step when the launcher stopped it"}[record["kind"]]
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

@@ -94,7 +94,7 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     if summary.get("stopped_by"):
         # The stop's status, not a return value: torch's launcher keeps a rank that returned one
         # until it next polls, and a signalled launcher does not poll, it waits out its grace.
-        raise SystemExit(exit_status(summary["signal"]))
+        raise SystemExit(exit_status(summary["stopped_by"]))
     return summary
 
 

@@ -44,7 +44,11 @@ def exit_status(signum: int) -> int:
 
 
 def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
+    """SIGTERM for 15; a number no signal has: "signal N"."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class StopSignals:

@@ -112,7 +112,7 @@ class Trainer:
         self.n_params = count_parameters(self.net)
         self.flops_per_token = gpt_flops_per_token(self.net) if self.is_text else None
         self.step = 0
-        self.saved_step: int | None = None  # the step of the newest checkpoint this run wrote or resumed
+        self.saved: tuple[int, Path] | None = None  # (step, folder) of the checkpoint last written or resumed
         self.stop = stop
         if stop is not None:
             stop.where = lambda: f"after step {self.step}"
@@ -232,7 +232,7 @@ class Trainer:
                                before_commit=lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step,
                                                                             during="save"))
         self.log.info(f"step {self.step}: checkpoint {path}")
-        self.saved_step = self.step
+        self.saved = self.step, path
         return path
 
     def _resume(self, ckpt: Path) -> None:
@@ -240,7 +240,8 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["scaler"])
         self.sampler.load_state_dict(meta["data"])
-        self.step = self.saved_step = int(meta["step"])
+        self.step = int(meta["step"])
+        self.saved = self.step, ckpt
         changes = config_changes(meta["config"], OmegaConf.to_container(self.cfg, resolve=True))
         if schedule_changed(changes):
             self._follow_optim_config()
@@ -333,20 +334,20 @@ class Trainer:
         has one already), say so in one line, and end the run as stopped."""
         self.log.stop_progress()
         name = signal_name(signum)
-        if self.saved_step == self.step:
-            path = latest_checkpoint(self.run_dir)
+        if self.saved is not None and self.saved[0] == self.step:
+            path = self.saved[1]
         elif self.step > 0:
             path = self.save()
         else:
             path = None
         again = ("resume with the same command" if str(self.cfg.trainer.resume) == "auto" else
-                 "resume with trainer.resume=auto (this run has trainer.resume=" f"{self.cfg.trainer.resume})")
+                 f"resume with trainer.resume=auto (this run has trainer.resume={self.cfg.trainer.resume})")
         line = (f"stopped by {name} after step {self.step}; checkpoint {path}; {again}" if path is not None else
                 f"stopped by {name} before the first step: nothing to keep")
         self.log.logger.info(line)
         if self.ctx.rank == 0:
             print(line, file=sys.stderr, flush=True)
-        return {"step": self.step, "stopped_by": name, "signal": signum, "checkpoint": str(path) if path else None}
+        return {"step": self.step, "stopped_by": signum, "checkpoint": str(path) if path else None}
 
     @contextlib.contextmanager
     def _collectives_named(self, records: list, step: int | None = None):
