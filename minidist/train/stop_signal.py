@@ -36,6 +36,7 @@ import time
 from typing import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REPEAT_GATHER_S = 0.1  # signals this close to a second stop signal are the same press (see _received)
 
 
 def exit_status(signum: int) -> int:
@@ -126,7 +127,15 @@ class StopSignals:
         if self._first_at is None:
             self.requested, self._first_at = signum, now
         elif now - self._first_at >= self.repeat_window_s:
-            self._force(signum, f"at once by a second {signal_name(signum)}")
+            # A second Ctrl-C reaches a rank twice: from the terminal, and as the SIGTERM torch's
+            # agent sends when the Ctrl-C cut its wait short. Whichever comes first, the line names
+            # the kind of the first stop if it is among those arriving within REPEAT_GATHER_S.
+            seen = {signum}
+            deadline = now + REPEAT_GATHER_S
+            while (left := deadline - time.monotonic()) > 0 and select.select([self._read], [], [], left)[0]:
+                seen |= set(os.read(self._read, 64)) & set(STOP_SIGNALS)
+            named = self.requested if self.requested in seen else signum
+            self._force(named, f"at once by a second {signal_name(named)}")
 
     def _force(self, signum: int, how: str, why: str = "", stuck: bool = False) -> None:
         """The one line, then exit with no more work: nothing here waits for the main thread."""
