@@ -118,23 +118,27 @@ class StopSignals:
                 self._force(self.requested, f"by {signal_name(self.requested)}",
                             f": still unfinished launcher.stop_grace_s={self.grace_s:g} s later (a step, or its "
                             "checkpoint, that did not end: a stuck peer?)", stuck=True)
-            for signum in os.read(self._read, 64):
-                if signum in STOP_SIGNALS:
-                    self._received(signum)
+            arrived = [s for s in os.read(self._read, 64) if s in STOP_SIGNALS]
+            if arrived:
+                self._received(arrived)
 
-    def _received(self, signum: int) -> None:
+    def _received(self, arrived: list[int]) -> None:
+        """`arrived`: the stop signals one read of the wakeup pipe found, in the order written."""
         now = time.monotonic()
         if self._first_at is None:
-            self.requested, self._first_at = signum, now
+            # The rest of this batch is the same press (the launcher's copy of the terminal's).
+            self.requested, self._first_at = arrived[0], now
         elif now - self._first_at >= self.repeat_window_s:
             # A second Ctrl-C reaches a rank twice: from the terminal, and as the SIGTERM torch's
-            # agent sends when the Ctrl-C cut its wait short. Whichever comes first, the line names
-            # the kind of the first stop if it is among those arriving within REPEAT_GATHER_S.
-            seen = {signum}
+            # agent sends when the Ctrl-C cut its wait short. The two may be taken by two of the
+            # rank's threads at once and written in either order, in one batch or two. Whichever
+            # comes first, the line names the kind of the first stop if it is among those
+            # arriving within REPEAT_GATHER_S.
+            seen = set(arrived)
             deadline = now + REPEAT_GATHER_S
             while (left := deadline - time.monotonic()) > 0 and select.select([self._read], [], [], left)[0]:
                 seen |= set(os.read(self._read, 64)) & set(STOP_SIGNALS)
-            named = self.requested if self.requested in seen else signum
+            named = self.requested if self.requested in seen else arrived[0]
             self._force(named, f"at once by a second {signal_name(named)}")
 
     def _force(self, signum: int, how: str, why: str = "", stuck: bool = False) -> None:
