@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from minidist import comm
 from minidist.comm import ring
+from ring_order import ring_order_sum
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 PIECE = 4096  # bytes: small pieces, so even these sizes are cut into several
@@ -19,14 +20,6 @@ PIECE = 4096  # bytes: small pieces, so even these sizes are cut into several
 def rank_input(rank: int, numel: int, dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + rank)
     return torch.randn(numel, generator=g).to(dtype)
-
-
-def ring_order_sum(chunks_by_rank: list[torch.Tensor], c: int, n: int) -> torch.Tensor:
-    """The stated order: ((x[c+1] + x[c+2]) + ...) + x[c], left to right, in the tensors' dtype."""
-    total = chunks_by_rank[(c + 1) % n].clone()
-    for k in range(2, n + 1):
-        total = total + chunks_by_rank[(c + k) % n]
-    return total
 
 
 def check_collectives(sizes, dtypes):

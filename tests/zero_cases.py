@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import minidist
-from ddp_cases import build, loss_fn, max_rel_diff, perturbed, step_loop
+from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, max_rel_diff, perturbed, step_loop
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9),
@@ -150,3 +150,40 @@ def load_and_continue(stage: int, saved: list):
     loaded = model.full_state_dict(), model.full_optim_state_dict()
     train_global(model, model.optimizer, range(10, 15))
     return model.full_state_dict(), model.optimizer.param_groups[0]["lr"], loaded
+
+
+def reduced_gradient_mismatches(model_name: str, stage: int, collectives: str) -> list[str]:
+    """One backward through ShardedDataParallel on this rank's batch; the shards (buckets or
+    units) whose reduced gradient is not, bitwise, what the test computes itself from every
+    rank's local gradient: each scaled by 1/n as the wrapper does, then summed in the order
+    `collectives` names: the ring's stated order (ring_order.py, written without minidist.comm),
+    or torch.distributed.reduce_scatter_tensor called here on the same layout (backend)."""
+    from ring_order import ring_order_sum
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = build(model_name)
+    x, y = global_batch(model_name, 0, 0, n)
+    x, y = x[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH], y[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH]
+    local = copy.deepcopy(base)  # rank 0's weights: what the wrapper broadcasts
+    loss_fn(model_name, local(x), y).backward()
+    local_grads = {name: p.grad for name, p in local.named_parameters()}
+
+    model = minidist.ShardedDataParallel(perturbed(base, rank), OPTIMIZERS["sgd"], stage=stage, collectives=collectives)
+    loss_fn(model_name, model(x), y).backward()
+    wrong = []
+    for k, shard in enumerate(model._shards):
+        flat = torch.zeros(shard.padded)  # this rank's contribution, laid out as the shard is
+        for slot in shard.slots:
+            torch.mul(local_grads[slot.name].reshape(-1), 1.0 / n, out=flat[slot.offset:slot.offset + slot.numel])
+        if collectives == "ring":
+            everyone = [torch.empty_like(flat) for _ in range(n)]
+            dist.all_gather(everyone, flat)  # copies: no arithmetic
+            size = shard.shard_size
+            want = ring_order_sum([f[rank * size:(rank + 1) * size] for f in everyone], rank, n)
+        else:
+            want = torch.empty(shard.shard_size)
+            dist.reduce_scatter_tensor(want, flat)
+        got = torch.cat([p.grad for p in shard.pieces])
+        if not torch.equal(got, want):
+            wrong.append(f"shard {k}: {(got != want).sum().item()} of {want.numel()} elements differ")
+    return wrong
