@@ -88,3 +88,63 @@ def test_the_cycle_check_finds_a_cycle_made_by_an_import_inside_a_function(tmp_p
     (pkg / "c.py").write_text("from cyclepkg import a\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cycles("cyclepkg") == [["cyclepkg.a", "cyclepkg.b"]]
+
+
+# ------------------------------------------------------------ minidist.comm, the only caller
+
+# torch.distributed's functions that communicate (those the installed torch has are checked).
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+               "all_to_all_single", "barrier", "monitored_barrier", "batch_isend_irecv", "broadcast",
+               "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "send_object_list",
+               "recv_object_list", "all_reduce_coalesced", "all_gather_coalesced", "_all_gather_base",
+               "_reduce_scatter_base"}
+
+
+def direct_collective_calls(source: str, where: str) -> list[str]:
+    """Calls of a torch.distributed collective in `source`: through `torch.distributed.X`, an
+    alias of the module (`import torch.distributed as dist`: `dist.X`) or a name imported from it."""
+    import ast
+
+    tree = ast.parse(source)
+    aliases, names = {"torch.distributed"}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            names |= {a.asname or a.name: a.name for a in node.names if a.name in COLLECTIVES}
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases |= {a.asname or a.name for a in node.names if a.name == "distributed"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES and ast.unparse(f.value) in aliases:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(f)}")
+        elif isinstance(f, ast.Name) and f.id in names:
+            found.append(f"{where}:{node.lineno}: {f.id} (torch.distributed.{names[f.id]})")
+    return found
+
+
+def test_minidist_comm_is_the_only_caller_of_torch_distributed_collectives():
+    """What the README's layout says of minidist/comm/: every other module goes through it (so the
+    CommTracer sees every byte, and every collective gets its timeout)."""
+    import torch.distributed as dist
+
+    assert {"all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "isend"} <= \
+        {c for c in COLLECTIVES if hasattr(dist, c)}
+    found = []
+    for path in sorted((ROOT / "minidist").rglob("*.py")):
+        if (ROOT / "minidist" / "comm") not in path.parents:
+            found += direct_collective_calls(path.read_text(), str(path.relative_to(ROOT)))
+    assert found == []
+
+
+def test_the_scan_finds_each_way_of_calling_a_collective():
+    source = ("import torch\nimport torch.distributed as dist\nfrom torch import distributed as d2\n"
+              "from torch.distributed import broadcast as bc\n"
+              "def f(t):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n    d2.isend(t, 1)\n    bc(t, 0)\n"
+              "    dist.get_rank(); dist.new_group([0])\n")
+    assert [line.split(": ", 1)[1] for line in direct_collective_calls(source, "x.py")] == \
+        ["dist.all_reduce", "torch.distributed.barrier", "d2.isend", "bc (torch.distributed.broadcast)"]
