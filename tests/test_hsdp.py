@@ -89,9 +89,18 @@ def traced_hybrid_step(replicate: int, shard: int, what: str):
     sent = {}
     for name, members in groups.items():  # a 1x4 mesh's shard group is the world: count it once, as "shard"
         sent[name] = by_group.pop(members, 0.0) if members not in [groups[k] for k in sent] else 0.0
-    padded = [s.padded * 4 for s in model._shards] if what != "hierarchical" else \
-        [-(-b.buffer.numel() // mesh.shard) * mesh.shard * 4 for b in model._buckets]
-    psi = sum(p.numel() for p in build("gpt").parameters())
+    # P, the formula's padded parameter bytes, counted here from the parameters' own sizes: how
+    # the implementation groups them (its buckets or units) is read, not how big it made them.
+    numel = [p.numel() for p in build("gpt").parameters()]
+    if what == "hierarchical":
+        groups = [b.param_ids for b in model._buckets]
+    else:
+        index = {name: i for i, (name, _) in enumerate(build("gpt").named_parameters())}
+        groups = [[index[slot.name] for slot in s.slots] for s in model._shards]
+    assert sorted(i for g in groups for i in g) == list(range(len(numel))), "every parameter in one group"
+    cut_in = n if what == "zero3" else mesh.shard  # the ranks each group is sharded across
+    padded = [-(-sum(numel[i] for i in g) // cut_in) * cut_in * 4 for g in groups]
+    psi = sum(numel)
     return sent, by_group, padded, report, psi
 
 
@@ -100,7 +109,8 @@ def test_cross_host_bytes_are_those_of_the_formula(ranks, replicate, shard):
     """HSDP3 per rank per step: 3 (S-1)/S x P within the host (two gathers and a reduce_scatter of
     every unit), 2 (R-1)/R x P/S across hosts (the all_reduce of its shard); ZeRO-3 on the same
     N = R x S ranks sends 3 (N-1)/N x P, all over the world group. Hierarchical all_reduce:
-    2 (S-1)/S x B within, 2 (R-1)/R x B/S across. Asserted exactly (P, B: padded bytes)."""
+    2 (S-1)/S x B within, 2 (R-1)/R x B/S across. Asserted exactly (P, B: the parameters' bytes, each bucket or unit padded to a multiple
+    of the ranks it is cut across, counted by the test from the parameters' sizes)."""
     R, S, N = replicate, shard, replicate * shard
     for what in ("hsdp3", "hsdp2", "hierarchical", "zero3"):
         for sent, rest, padded, report, psi in ranks(4).run(traced_hybrid_step, R, S, what, timeout_s=120):
