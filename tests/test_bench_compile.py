@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
+@pytest.mark.slow(stand_in="test_committed_document_is_the_rendering_of_the_committed_data")  # compiles every variant
 def test_tiny_benchmark_reports_every_variant_with_an_interval(tmp_path):
     cmd = [sys.executable, "recipes/bench_compile.py", "compiler=aot_eager", "warmup=1", "steps=3",
            "gpt.n_layer=1", "gpt.n_embd=32", "gpt.n_head=2", "gpt.block_size=16", "gpt.batch=2",

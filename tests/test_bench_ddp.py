@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
+@pytest.mark.slow(stand_in="test_unknown_variant_is_refused")  # a real benchmark run; make test keeps the argument checks
 def test_tiny_benchmark_reports_every_variant(tmp_path):
     out = tmp_path / "results.json"  # written into the run directory
     cmd = [sys.executable, "recipes/bench_ddp.py", "warmup=1", "steps=2", "gpt.n_layer=1", "gpt.n_embd=32",

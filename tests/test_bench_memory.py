@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
+@pytest.mark.slow(stand_in="test_zero.py::test_memory_matches_the_zero_paper")  # a real benchmark run
 def test_tiny_memory_benchmark(tmp_path):
     cmd = [sys.executable, "recipes/bench_memory.py", "nproc=2", "strategies=[zero2,zero2_backend]",
            "sizes=[64,128,64]", f"hydra.run.dir={tmp_path}"]

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the benchmark's argument checks
+@pytest.mark.slow(stand_in="test_ring.py::test_ring_collectives_equal_the_backend")  # a real benchmark run
 def test_tiny_ring_benchmark(tmp_path):
     cmd = [sys.executable, "recipes/bench_ring.py", "nproc=2", "min_bytes=4096", "max_bytes=16384", "rounds=2",
            "warmup=1", f"hydra.run.dir={tmp_path}"]

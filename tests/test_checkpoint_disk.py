@@ -40,7 +40,7 @@ def train(run_dir, *overrides):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the manifest and write-error unit tests
+@pytest.mark.slow(stand_in="test_checkpoint_safety.py::test_a_short_write_on_a_nearly_full_disk_is_reported_as_one")  # a real small disk, root only
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(small_disk):
     run_dir = small_disk / "run"
     out = train(run_dir)

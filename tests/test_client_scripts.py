@@ -53,7 +53,7 @@ def test_ddp_tutorial_script_at_stage3_names_full_state_dict(ranks, tmp_path):
 
 # The fast suite runs two of the eight (ddp and zero2, bitwise); the slow one the others, which
 # these stand for.
-SLOW = pytest.mark.slow
+SLOW = pytest.mark.slow(stand_in="test_mingpt_script[ddp-1000000000000.0]")
 MINGPT_CASES = [("ddp", 1e12), ("zero2", 1e12),
                 *(pytest.param(h, c, marks=SLOW) for h, c in [("ddp", 1.0), ("zero1", 1.0), ("zero2", 1.0),
                                                             ("zero3", 1.0), ("zero1", 1e12), ("zero3", 1e12)])]
@@ -70,8 +70,11 @@ def test_mingpt_script(ranks, tmp_path, how, grad_norm_clip):
         assert_same(resumed["model"], straight["model"], f"{how} rank {rank}: resumed vs unbroken")
 
 
-@pytest.mark.parametrize("how, mixed_precision", [("zero3", False), pytest.param("zero3", True, marks=SLOW),
-                                                  pytest.param("zero2", False, marks=SLOW)])  # fast: zero3 fp32
+SLOW_FSDP2 = pytest.mark.slow(stand_in="test_fsdp2_example_script[zero3-False]")
+
+
+@pytest.mark.parametrize("how, mixed_precision", [("zero3", False), pytest.param("zero3", True, marks=SLOW_FSDP2),
+                                                  pytest.param("zero2", False, marks=SLOW_FSDP2)])
 def test_fsdp2_example_script(ranks, tmp_path, how, mixed_precision):
     native = ranks(2).run(cases.fsdp2_runs, "native", str(tmp_path), mixed_precision)
     for rank, (ours, ref) in enumerate(zip(ranks(2).run(cases.fsdp2_runs, how, str(tmp_path), mixed_precision),
@@ -96,7 +99,7 @@ def torchrun(script: str, *args: str, cwd) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(stand_in="test_mingpt_script")  # the same scripts under torchrun; make test runs them in-process
 def test_client_scripts_under_torchrun(tmp_path):
     """As a user runs them: each script under torchrun, as written and ported; the ported run's
     final parameters equal the native run's. The tutorial's rank-0 model snapshot at stage 3 ends

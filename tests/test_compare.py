@@ -37,7 +37,7 @@ def compare(tmp_path, *overrides, home=None, path=None, name="run"):
     return out, run_dir
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps test_compare_exits_1_when_ours_differs
+@pytest.mark.slow(stand_in="test_analyse_hidden_fraction_and_bytes")  # a whole comparison with DeepSpeed
 def test_compare_end_to_end_with_deepspeed(tmp_path):
     """ours vs native vs DeepSpeed: every output written, ours equal to their references, exit 0;
     DeepSpeed started with no compiler on PATH and a fresh HOME, and built nothing there."""
@@ -99,7 +99,7 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
     assert "ddp / native_ddp" in out.stdout and "report" in out.stdout
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps compare's config checks and report units
+@pytest.mark.slow(stand_in="test_references_and_theory")  # a whole comparison
 def test_compare_exits_1_when_ours_differs(tmp_path):
     """bf16-compressed gradients on our ddp: the final parameters drift from native DDP's -> exit 1."""
     out, run_dir = compare(tmp_path, "compare.strategies=[ddp,native_ddp]", "+compare.overrides.ddp.comm_hook=bf16")

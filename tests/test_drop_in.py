@@ -67,7 +67,7 @@ def test_drop_in_hybrid_on_a_2x2_mesh(ranks, strategy):
                        timeout_s=600))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(stand_in="test_drop_in_at_2_ranks")
 def test_drop_in_hugging_face_gpt2(ranks):
     """A model none of us wrote, from the transformers package where it is installed (it is no
     dependency of minidist): GPT-2 with its tied head, dropout and ModelOutput."""
@@ -77,7 +77,7 @@ def test_drop_in_hugging_face_gpt2(ranks):
     check(ranks(2).run(matrix, picked, timeout_s=600))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(stand_in="test_drop_in_at_2_ranks")  # make test compiles the same cells with aot_eager
 @pytest.mark.parametrize("world_size, strategies", [(2, OURS_2 + ["native_zero1"]), (4, ["hsdp2", "hsdp3"])])
 def test_drop_in_compiled_with_inductor(ranks, world_size, strategies):
     """torch.compile's default backend (inductor): C++ kernels, so within 1e-6 rather than bitwise."""

@@ -83,7 +83,7 @@ def test_nccl_runs_dump_their_last_collectives_into_the_run_and_the_failure_says
     assert "rank(s) 1" in line and "torch.distributed.flight_recorder.fr_trace" in line
 
 
-@pytest.mark.slow  # ~3 min: every stage on CPU; the fast stand-ins are the tests above
+@pytest.mark.slow(stand_in="test_the_summaries_pass_when_strategies_agree_and_figures_are_plausible")  # ~3 min: every stage on CPU
 def test_a_dry_run_passes_every_stage_on_cpu(tmp_path):
     env = {**os.environ, "GPU_CHECK_DRY_RUN": "1", "GPU_CHECK_STEPS": "4", "OUT": str(tmp_path / "out"),
            "PYTHON": sys.executable}

@@ -28,7 +28,7 @@ def namespaces_available() -> str | None:
     return None
 
 
-@pytest.mark.slow  # root-only emulated hosts: `make test-all` (and CI) run it, as the Makefile says
+@pytest.mark.slow(stand_in="test_hsdp.py::test_hybrid_strategies_equal_ddp")  # root-only emulated hosts; make test: the same meshes on one host
 @pytest.mark.timeout(600)  # the script bounds each of its 2 sweeps by TIMEOUT_S
 def test_two_emulated_hosts_train_like_one(tmp_path):
     reason = namespaces_available()

@@ -112,7 +112,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it(tmp
     assert who_failed_first(tmp_path, t0, {0: 1}) == "rank(s) [0]"
 
 
-@pytest.mark.slow  # stands for it in make test: test_fault_tolerance's stalled-rank case names the stalled rank first
+@pytest.mark.slow(stand_in="test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it")
 def test_a_killed_rank_is_named_first_on_the_console(tmp_path):
     out = recipe("launcher.nproc=2", "trainer.max_steps=6", "debug.kill_rank=1", "debug.kill_at_step=3",
                  f"hydra.run.dir={tmp_path}")

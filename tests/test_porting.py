@@ -23,7 +23,7 @@ def test_the_users_optimizer_with_param_groups_equals_native_ddp(ranks, kind):
         assert r["ranks_agree"]
 
 
-@pytest.mark.slow  # the 2-rank param-group tests above stand for it in make test
+@pytest.mark.slow(stand_in="test_the_users_optimizer_with_param_groups_equals_native_ddp")  # at 2 ranks in make test
 @pytest.mark.parametrize("kind", ["zero2", "zero3"])
 def test_param_groups_at_3_ranks_padded_shards_and_empty_pieces(ranks, kind):
     """3 ranks: padded shards, and pieces of a group a rank's slice does not reach (empty)."""
@@ -32,7 +32,7 @@ def test_param_groups_at_3_ranks_padded_shards_and_empty_pieces(ranks, kind):
         assert r["groups"] and r["groups_matter"] and r["ranks_agree"]
 
 
-@pytest.mark.slow  # the 2-rank param-group and GradScaler tests above stand for it in make test
+@pytest.mark.slow(stand_in="test_grad_scaler_skips_an_overflow_on_one_shard_on_every_rank")  # and the 2-rank param-group tests
 @pytest.mark.parametrize("kind", ["hsdp2", "hsdp3"])
 def test_param_groups_and_grad_scaler_on_a_2x2_mesh(ranks, kind):
     for r in ranks(4).run(cases.param_groups_match_native, kind):
@@ -42,7 +42,7 @@ def test_param_groups_and_grad_scaler_on_a_2x2_mesh(ranks, kind):
         assert r["vs_native"][1] <= 1e-6, r["vs_native"]
 
 
-@pytest.mark.slow  # make test: the full optimizer snapshot above, and test_zero's one-group resharding
+@pytest.mark.slow(stand_in="test_a_full_optimizer_snapshot_resumes_exactly_and_is_native_ddps")  # and test_zero's one-group resharding
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sharded_checkpoints_with_param_groups_reshard_4_to_2(ranks, stage):
     saved = ranks(4).run(cases.reshard_with_groups, stage)

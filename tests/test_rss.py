@@ -20,7 +20,7 @@ def test_rss_follows_a_live_tensor_and_its_release():
     assert after <= 2 * 2**20, after / 2**20  # given back: MALLOC_MMAP_THRESHOLD_ works
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the RSS probe's own test
+@pytest.mark.slow(stand_in="test_zero.py::test_memory_matches_the_zero_paper")  # and the RSS probe's own test above
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_every_zero_stage_within_the_formula(strategy):
     ranks = launch_fresh(measure_state_rss, 4, (strategy, MLP_8M, 1.0))

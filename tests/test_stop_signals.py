@@ -148,7 +148,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
         assert f"stopped by SIGUSR1 after step {step}" in (run_dir / "logs" / f"rank_{r}.log").read_text()
 
 
-@pytest.mark.slow  # stands for it in make test: test_a_signal_to_one_rank_stops_every_rank_after_the_same_step
+@pytest.mark.slow(stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step")
 @pytest.mark.parametrize("how", ["ctrl_c", "sigterm_torchrun"])
 def test_stopped_then_resumed_equals_an_uninterrupted_run(tmp_path, how):
     """Ctrl-C to the whole process group (our launcher: exit 130, one line), SIGTERM to torchrun
@@ -181,7 +181,7 @@ def test_stopped_then_resumed_equals_an_uninterrupted_run(tmp_path, how):
     assert_same(load_everything(latest_checkpoint(straight)), load_everything(latest_checkpoint(run_dir)), how)
 
 
-@pytest.mark.slow  # stands for it in make test: test_a_second_ctrl_c_or_the_end_of_the_grace_stops_at_once
+@pytest.mark.slow(stand_in="test_a_second_ctrl_c_or_the_end_of_the_grace_stops_at_once")
 def test_a_second_ctrl_c_stops_a_run_at_once(tmp_path):
     """Rank 1 stalls, so the first Ctrl-C cannot finish its step; the second (seconds later, as a
     person presses it) ends every rank and the launcher at once: exit 130, the last checkpoint

@@ -95,8 +95,11 @@ def count_reads_per_step(cfg_dict: dict, run_dir: str) -> dict:
         trainer.close()
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2",
-                                      pytest.param("zero3", marks=pytest.mark.slow)])  # zero2 stands in, fast
+SLOW = pytest.mark.slow(stand_in="test_steps_between_log_steps_read_nothing_from_the_device[zero2]")
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=SLOW), "zero2",
+                                      pytest.param("zero3", marks=SLOW)])
 def test_steps_between_log_steps_read_nothing_from_the_device(ranks, tmp_path, strategy):
     out = ranks(2).run(count_reads_per_step, tiny("optim.fused=true", strategy=strategy), str(tmp_path))
     for rank, r in enumerate(out):

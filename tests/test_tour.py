@@ -15,7 +15,7 @@ def run(cmd, timeout=180):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("how,nproc", [("python", 2), pytest.param("torchrun", 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how,nproc", [("python", 2), pytest.param("torchrun", 3, marks=pytest.mark.slow(stand_in="test_tour_verifies_every_step[python-2]"))])
 def test_tour_verifies_every_step(how, nproc):
     if how == "python":
         cmd = [sys.executable, "recipes/tour.py", f"nproc={nproc}"]

@@ -43,7 +43,7 @@ def files_under(d: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the sweep under torchrun (run dir, logs)
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")  # run dir, logs
 def test_self_launched_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", n_train=64, n_test=16)
     run_dir = tmp_path / "run"
@@ -93,7 +93,7 @@ def check_sweep(sweep: Path, out: subprocess.CompletedProcess, strategies: str =
 # Every strategy in `make test-all`; `make test` sweeps one of each checkpoint layout (full, sharded,
 # torch's gathered) — the mechanism is the same for every job, and each strategy trains and resumes
 # in test_train_strategies.py.
-@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow), "ddp,zero3,native_fsdp"])
+@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")), "ddp,zero3,native_fsdp"])
 def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     """torchrun starts the ranks once; Hydra's sweep runs each strategy's job on them in turn."""
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -107,7 +107,7 @@ def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     assert consolidate(latest_checkpoint(sweep / str(jobs - 1)))  # native_fsdp: a full state_dict
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the sweep under torchrun
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")
 def test_a_self_launched_sweep(tmp_path):
     """Each job of the sweep starts its own 2 local ranks (two jobs: the mechanism is the same for
     every strategy, and the torchrun sweep above already runs each one)."""
@@ -169,7 +169,7 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert unknown.returncode != 0 and "strategy" in unknown.stderr and "zero3" in unknown.stderr
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps consolidate in-process (test_checkpoint_safety)
+@pytest.mark.slow(stand_in="test_train_strategies.py::test_resume_is_exact_and_consolidates")  # consolidate in-process
 def test_consolidate_command(tmp_path):
     run_dir = tmp_path / "run"
     assert train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", strategy="zero2").returncode == 0
@@ -238,7 +238,7 @@ def start_ranks(cmd: list[str], envs: list[dict]) -> list[tuple[str, str]]:
     return outs
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps the srun-style launch
+@pytest.mark.slow(stand_in="test_srun_style_launch_reads_slurm_variables")
 def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
     """scripts/multinode_train.sh on two "machines" of one rank each, meeting on 127.0.0.1."""
     from minidist.dist import free_port
@@ -268,3 +268,26 @@ def test_srun_style_launch_reads_slurm_variables(tmp_path):
     assert outs[0][0].count("ddp: gpt") == 1 and "ddp: gpt" not in outs[1][0]
     assert "2 rank(s)" in outs[0][0]
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000003"]
+
+
+@pytest.mark.slow(stand_in=None, why="the whole default job (400 steps): its figures exist only at its end")
+def test_make_train_ends_at_the_figures_the_readme_quotes(tmp_path):
+    """`make train`'s command (recipes/train.py, its defaults) ends at the README's losses, model
+    size, bytes per step and model state, which do not vary between runs (its speed does)."""
+    import json
+    import math
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    out = run([PYTHON, str(RECIPE), f"hydra.run.dir={tmp_path}/run"], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    quoted = dict(re.findall(r"^(train loss|validation loss|communication|memory \(rank 0\))\s{2,}(.*)$", readme, re.M))
+    assert quoted["train loss"] == f"{s['train/loss']:.4f}"
+    assert quoted["validation loss"] == f"{s['val/loss']:.4f}"
+    assert quoted["communication"] == f"{s['comm/bytes_per_step'] / 2**20:,.1f} MiB sent per step and rank"
+    assert quoted["memory (rank 0)"].startswith(f"model state {s['memory/model_state_bytes'] / 2**20:,.1f} MiB,")
+    assert f"ends at a validation loss of {s['val/loss']:.2f} nats" in readme
+    assert f"a uniform\nguess over bytes scores {math.log(256):.2f}" in readme
+    assert f"`gpt_nano` ({s['parameters'] / 1e6:.2f}M parameters" in readme
+    assert f"\nsteps            {s['step']}\n" in readme

@@ -18,7 +18,7 @@ from train_cases import PYTHON, ROOT
 SCRIPT = ROOT / "scripts" / "validate_sim.sh"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(stand_in="test_costmodel.py::test_across_hosts_only_one_shard_crosses")  # root-only shaped links
 @pytest.mark.timeout(300)
 def test_cost_model_within_a_quarter_of_shaped_links(tmp_path):
     reason = namespaces_available()

@@ -55,7 +55,7 @@ def test_every_step_is_bitwise_native_ddp(ranks, name):
     assert ranks(2).run(step_against_native, name) == [0.0, 0.0]
 
 
-@pytest.mark.slow  # 15 s; the fast stand-ins: the steps' bitwise tests above and the drift check below
+@pytest.mark.slow(stand_in="test_every_step_is_bitwise_native_ddp")  # 15 s; and the drift check below
 def test_the_recipe_runs_every_step_and_draws_its_timeline(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "recipes" / "walkthrough.py"), "warmup=0", "steps=1",
                            "gpt.n_layer=2", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,

@@ -12,7 +12,7 @@ import pytest
 
 from train_cases import ROOT, TINY, TINY_GPT
 
-pytestmark = pytest.mark.slow  # a wheel build and a torchrun start; stands for it in make test: test_cli
+pytestmark = pytest.mark.slow(stand_in="test_cli.py::test_checkpoint_info_verifies_the_files_and_says_what_it_holds")  # a wheel build and a torchrun start
 
 
 def run(cmd, cwd, env, timeout=300) -> subprocess.CompletedProcess:
