@@ -127,10 +127,12 @@ def loss_of(out, y):
 
 def family(strategy: str) -> set[str]:
     """Which REFUSALS apply: "sharded" for our ZeRO strategies, "stage3" for ours at stage 3."""
-    out = set()
-    if strategy in ("zero1", "zero2", "zero3", "hsdp2", "hsdp3"):
+    from minidist.train.strategies import spec
+
+    s, out = spec(strategy), set()
+    if s.kind == "minidist" and s.zero_stage >= 1:
         out.add("sharded")
-    if strategy in ("zero3", "hsdp3"):
+    if s.kind == "minidist" and s.zero_stage == 3:
         out.add("stage3")
     return out
 
@@ -166,12 +168,14 @@ def wrap(strategy: str, net: nn.Module, unused: bool, model_name: str):
     if strategy == "ddp":
         model = minidist.DataParallel(net, bucket_cap_mb=0.001, find_unused_parameters=unused)
         return model, opt_factory(net.parameters()), torch_clip
-    stage = int(strategy[-1])
+    from minidist.train.strategies import spec
+
+    stage = spec(strategy).zero_stage
     kwargs = {"min_unit_params": 100} if stage == 3 else {"bucket_cap_mb": 0.001}  # several units / buckets
     # Stage 3 refuses find_unused_parameters=True; with False, a parameter no rank used raises when
     # backward ends (the runtime check). Stages 1-2 take it, and then refuse only what no rank used.
     kwargs["find_unused_parameters"] = unused and not (stage == 3 and model_name == "unused")
-    if strategy.startswith("hsdp"):
+    if spec(strategy).hybrid:  # 2 replicas: the replica path runs
         kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
     model = minidist.ShardedDataParallel(net, opt_factory, stage=stage, **kwargs)
     return model, model.optimizer, functools.partial(model.clip_grad_norm_, CLIP)
@@ -243,7 +247,7 @@ def train(strategy: str, idiom: str, model_name: str) -> dict:
 
 def full_state(strategy: str, model, plain: nn.Module) -> dict:
     """This rank's whole state_dict as a plain module would hold it (a collective for ZeRO)."""
-    if hasattr(model, "full_state_dict") and strategy.startswith(("zero", "hsdp")):
+    if hasattr(model, "full_state_dict") and "sharded" in family(strategy):
         state = model.full_state_dict()
     else:
         state = plain.state_dict()

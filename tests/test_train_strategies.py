@@ -12,27 +12,17 @@ from minidist.train.models import build_model
 from minidist.train.data import data_info
 from minidist.train.strategies import names
 from omegaconf import OmegaConf
-from train_cases import CONFIGS, assert_same, load_everything, tiny, train_on_rank
-
-
-HYBRID = ("hsdp2", "hsdp3", "native_hsdp")  # on a 2x2 mesh: 4 ranks, shard groups of 2
-
-
-def world_for(strategy: str) -> int:
-    return 1 if strategy == "single" else 4 if strategy in HYBRID else 2
-
-
-def mesh_options(strategy: str) -> tuple[str, ...]:
-    return ("strategy.shard_size=2",) if strategy in HYBRID else ()
+from train_cases import CONFIGS, assert_same, load_everything, mesh_options, tiny, train_on_rank, world_for
 
 
 # The native and DeepSpeed strategies' resume runs in `make test-all`; `make test` keeps ours, but
 # ddp_hierarchical, whose checkpoint is ddp's (test_hierarchical_all_reduce_in_the_trainer_trains_like_ddp
 # runs it in the trainer), zero1, whose flat shards are zero2's, and hsdp2, whose mesh is hsdp3's.
 SLOW_RESUME = {"ddp_hierarchical", "zero1", "hsdp2"}
+SLOW_RESUME_MARK = pytest.mark.slow(stand_in="test_resume_is_exact_and_consolidates[ddp]")
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow)
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=SLOW_RESUME_MARK)
                                       if s.startswith(("native_", "ds_")) or s in SLOW_RESUME else s
                                       for s in names() if (CONFIGS / "strategy" / f"{s}.yaml").is_file()])
 def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
@@ -64,7 +54,7 @@ def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
     assert_same(full, {k: v.cpu() for k, v in second[0]["full_state"].items()})
 
 
-@pytest.mark.slow  # slow: `make test-all` and CI run it; `make test` keeps hsdp3's exact resume
+@pytest.mark.slow(stand_in="test_resume_is_exact_and_consolidates[hsdp3]")
 @pytest.mark.parametrize("strategy", ["hsdp2", "hsdp3"])
 def test_hybrid_checkpoint_is_written_once_per_shard_group_and_resumes_at_another_mesh(strategy, ranks, tmp_path):
     """At 4 ranks as 2x2 only the first replica writes its 2 shards; the run resumes from them as
@@ -157,8 +147,11 @@ def test_bf16_stage3_gathers_bf16_parameters_and_reduces_in_fp32(ranks, tmp_path
     assert out[0] == out[1] == {"param": torch.bfloat16, "reduce": torch.float32}
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "zero2",
-                                      pytest.param("native_fsdp", marks=pytest.mark.slow)])
+SLOW_BATCHNORM = pytest.mark.slow(stand_in="test_resume_is_exact_on_every_rank_with_batchnorm[zero2]")
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=SLOW_BATCHNORM), "zero2",
+                                      pytest.param("native_fsdp", marks=SLOW_BATCHNORM)])
 def test_resume_is_exact_on_every_rank_with_batchnorm(strategy, ranks, tmp_path):
     """torchvision's resnet18 (BatchNorm): after 4 steps straight or 2 + 2 resumed, every rank holds
     the same parameters and the same buffers, including BatchNorm statistics a strategy leaves

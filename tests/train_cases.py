@@ -41,6 +41,22 @@ def compose_cfg(overrides: list[str]):
         return compose(config_name="train", overrides=overrides)
 
 
+def world_for(strategy: str) -> int:
+    """The ranks a strategy's trainer tests run on, read from its spec: 1 for a single-rank one,
+    4 for a hybrid one (a 2x2 mesh: mesh_options), so its replica path runs; else 2."""
+    from minidist.train.strategies import spec
+
+    s = spec(strategy)
+    return 1 if s.single_rank else 4 if s.hybrid else 2
+
+
+def mesh_options(strategy: str) -> tuple[str, ...]:
+    """A hybrid strategy's overrides for world_for's 2x2 mesh: shard groups of 2, 2 replicas."""
+    from minidist.train.strategies import spec
+
+    return ("strategy.shard_size=2",) if spec(strategy).hybrid else ()
+
+
 def tiny(*extra: str, strategy: str = "ddp") -> dict:
     return OmegaConf.to_container(compose_cfg(tiny_overrides(*extra, strategy=strategy)), resolve=True)
 
