@@ -73,12 +73,34 @@ def _int(env: Mapping[str, str], key: str) -> int:
                          "fix the launcher's environment") from None
 
 
+def ranks_per_host(env: Mapping[str, str] | None = None) -> int | None:
+    """How many ranks each host runs, where the launcher says so; None where nothing says (one
+    process) or the hosts run different numbers. The one reading of the host layout: LaunchInfo,
+    init_mesh's default shard groups and the cross-host byte accounting all take it from here.
+
+    torchrun (and minidist's launcher) set LOCAL_WORLD_SIZE. srun sets SLURM_TASKS_PER_NODE
+    ("4(x2)" or "4,4"; "3,1" differs between hosts), and SLURM_NTASKS_PER_NODE only when
+    --ntasks-per-node was given."""
+    env = os.environ if env is None else env
+    if "LOCAL_WORLD_SIZE" in env:
+        return _int(env, "LOCAL_WORLD_SIZE")
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    counts = set()
+    for entry in filter(None, env.get("SLURM_TASKS_PER_NODE", "").split(",")):
+        match = re.fullmatch(r"(\d+)(\(x\d+\))?", entry)
+        if match is None:
+            return None
+        counts.add(int(match.group(1)))
+    return counts.pop() if len(counts) == 1 else None
+
+
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read torchrun's variables, else SLURM's, else describe a single process."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
-        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
+        local_world = ranks_per_host(env) or world
         return LaunchInfo(
             launcher="torchrun",
             rank=_int(env, "RANK"),
@@ -92,8 +114,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
         nodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
-        local_world = (_int(env, "SLURM_NTASKS_PER_NODE") if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
-                       else max(1, world // max(1, nodes)))
+        local_world = ranks_per_host(env) or max(1, world // max(1, nodes))  # hosts that differ: a guess
         job_id = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         return LaunchInfo(

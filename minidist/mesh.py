@@ -15,11 +15,12 @@ same shard index, one per shard group: its traffic is what crosses hosts.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch.distributed as dist
+
+from minidist.dist import ranks_per_host
 
 
 @dataclass
@@ -55,15 +56,6 @@ class Mesh:
         return (f"Mesh(replicate={self.replicate} x shard={self.shard}): shard groups (within a host) "
                 f"{fmt(self.shard_ranks)}; replicate groups (across hosts) {fmt(self.replicate_ranks)}; "
                 f"rank {self.rank} = replica {self.replica}, shard {self.shard_rank}")
-
-
-def ranks_per_host(env: Mapping[str, str] | None = None) -> int | None:
-    """How many ranks each host runs, where the launcher says so (torchrun, SLURM); else None."""
-    env = os.environ if env is None else env
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return None
 
 
 def mesh_shape(world_size: int, replicate: int | None, shard: int | None, per_host: int | None) -> tuple[int, int]:

@@ -35,6 +35,27 @@ def test_host_layout_from_the_launcher():
     assert ranks_per_host({"SLURM_NTASKS_PER_NODE": "8"}) == 8
     assert ranks_per_host({"SLURM_NTASKS_PER_NODE": "2(x3)"}) is None  # heterogeneous: not one number
     assert ranks_per_host({}) is None
+    assert ranks_per_host({"SLURM_TASKS_PER_NODE": "4(x2)"}) == 4  # what srun sets without --ntasks-per-node
+    assert ranks_per_host({"SLURM_TASKS_PER_NODE": "4,4"}) == 4
+    assert ranks_per_host({"SLURM_TASKS_PER_NODE": "3,1"}) is None  # hosts that differ
+
+
+def test_under_srun_the_mesh_the_launch_and_the_byte_accounting_see_the_same_hosts(monkeypatch):
+    """srun without --ntasks-per-node: 2 hosts of 4, seen alike by all three readers (issue 27,
+    part 3: the byte accounting read LOCAL_WORLD_SIZE only, and counted one host)."""
+    from minidist.dist import detect_launch
+    from minidist.train.cross_host import HostTraffic
+
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
+           "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[01-02]"}
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert detect_launch().local_world_size == 4
+    assert mesh_shape(8, None, None, ranks_per_host()) == (2, 4)
+    traffic = HostTraffic(rank=4, world_size=8)
+    assert traffic.per_host == 4 and traffic.multi_host and traffic.reads
 
 
 def build_and_use(replicate: int, shard: int):

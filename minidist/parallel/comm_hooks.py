@@ -64,7 +64,7 @@ class HierarchicalAllReduce:
         model = DataParallel(net, comm_hook=HierarchicalAllReduce(minidist.init_mesh(shard=4)))
 
     The reduce_scatter starts when the bucket is launched; the all_reduce across hosts is
-    chained behind it and starts, in bucket order, as soon as it is done (replicas.py, as for
+    chained behind it and starts, in bucket order, as soon as it is done (across_replicas.py, as for
     hybrid sharding: the replicate group carries nothing else, so every rank issues the same
     sequence there). The gather runs in wait(), which DataParallel calls in bucket order after
     every launch: started any earlier, it could cross a later bucket's reduce_scatter on the

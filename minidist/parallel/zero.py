@@ -176,7 +176,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.dp_group = None if mesh is not None else process_group
         self.dp_size = dist.get_world_size(self.dp_group)
         self.source_rank = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
-        # HSDP's second level: each reduced shard is summed across the replicas (replicas.py).
+        # HSDP's second level: each reduced shard is summed across the replicas (across_replicas.py).
         self._replicas = ReplicaReduce(mesh.replicate_group, collectives) if mesh is not None and \
             mesh.replicate > 1 else None
         self.param_dtype = param_dtype

@@ -2,7 +2,7 @@
 
 Theory: a ring collective sends everything a rank sends (CommRecord.sent_bytes, the ring
 model) to its successor in the group's ring, or, for our ring's small collectives, an equal
-share to each peer. Those bytes leave the host when the receiver lives on another host (torchrun numbers each host's ranks contiguously: host = rank // LOCAL_WORLD_SIZE).
+share to each peer. Those bytes leave the host when the receiver lives on another host (launchers number each host's ranks contiguously: host = rank // ranks per host, minidist.dist.ranks_per_host).
 Summed over the ranks, that is the payload between hosts the algorithm implies; with it, the
 most TCP packets that payload can take (each costs FRAME_OVERHEAD bytes of headers, and its
 ACK as much again), which bounds what the wire adds.
@@ -17,15 +17,11 @@ compares the two on emulated hosts.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from minidist import comm
+from minidist.dist import ranks_per_host
 from minidist.comm import ring
-
-
-def ranks_per_host(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 MSS = 1448  # TCP payload bytes per packet on a 1500-byte MTU (20 IP + 32 TCP with timestamps)
@@ -80,7 +76,7 @@ class HostTraffic:
     """The measured side: local rank 0 reads the counters after the first and the last step."""
 
     def __init__(self, rank: int, world_size: int):
-        self.per_host = ranks_per_host(world_size)
+        self.per_host = ranks_per_host() or world_size  # nothing says: one host
         self.multi_host = self.per_host < world_size
         self.reads = rank % self.per_host == 0 and self.multi_host
         self.first: tuple[int, int] | None = None

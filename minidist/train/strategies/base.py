@@ -190,7 +190,8 @@ def agree_on_overflow(scaler, optimizer, device) -> None:
 def mesh_dims(cfg, world_size: int) -> tuple[int, int]:
     """(replicas R, shard group size S) for strategy.shard_size (null: the ranks of one host, where
     the launcher says so); a ConfigError naming the key when it does not split the world."""
-    from minidist.mesh import mesh_shape, ranks_per_host
+    from minidist.dist import ranks_per_host
+    from minidist.mesh import mesh_shape
 
     shard = cfg.get("shard_size")
     if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool)):
