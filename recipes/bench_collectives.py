@@ -34,14 +34,12 @@ from minidist import comm
 from minidist.benchmarking import require_known, slowest
 from minidist.launch import run_recipe
 
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "sendrecv": lambda n: 1.0,
-}
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw: the ring model's bytes a rank sends per byte of S (minidist.comm's)."""
+    return comm.ring_bytes_sent("send" if op == "sendrecv" else op, 1, n)
 
 
 def _sync(device: torch.device) -> None:
@@ -96,7 +94,7 @@ def make_op(op: str, nbytes: int, n: int, rank: int, device: torch.device):
                 comm.send(big, dst=0)
             return None
         return pingpong, numel * elem
-    raise ValueError(f"unknown op {op!r}; choose from {sorted(BUS_FACTOR)}")
+    raise ValueError(f"unknown op {op!r}; choose from {sorted(OPS)}")
 
 
 def time_op(launch, mode: str, cfg, device) -> float:
@@ -213,7 +211,7 @@ def bench_main(cfg_dict: dict) -> None:
                     t /= 2  # one call moved the message twice (see make_op)
                 algbw = s / t / 1e9
                 row = dict(op=op, mode=mode, bytes=s, world_size=n, time_us=round(t * 1e6, 2),
-                           algbw_GBps=round(algbw, 4), busbw_GBps=round(algbw * BUS_FACTOR[op](n), 4))
+                           algbw_GBps=round(algbw, 4), busbw_GBps=round(algbw * bus_factor(op, n), 4))
                 rows.append(row)
                 minidist.print0(f"{op:<15}{mode:<7}{s:>11}{row['time_us']:>12.1f}"
                                 f"{row['algbw_GBps']:>12.3f}{row['busbw_GBps']:>12.3f}")
@@ -227,7 +225,7 @@ def bench_main(cfg_dict: dict) -> None:
 
 @hydra.main(config_path="../configs", config_name="bench_collectives", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    require_known("ops", cfg.ops, BUS_FACTOR)
+    require_known("ops", cfg.ops, OPS)
     run_recipe(bench_main, cfg, path_keys=("out_dir",))
 
 

@@ -26,8 +26,7 @@ from minidist import comm
 from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n}
+OPS = ("all_reduce", "all_gather", "reduce_scatter")  # those the ring implements
 
 
 def make_call(op: str, nbytes: int, n: int):
@@ -66,7 +65,7 @@ def bench_main(cfg_dict: dict) -> None:
             b, r = statistics.median(times["backend"]), statistics.median(times["ring"])
             speedup = paired_ratio(times["backend"], times["ring"])
             ratio = speedup["median"]
-            bus = {alg: s / statistics.median(t) / 1e9 * BUS_FACTOR[op](n) for alg, t in times.items()}
+            bus = {alg: s / statistics.median(t) / 1e9 * comm.ring_bytes_sent(op, 1, n) for alg, t in times.items()}
             rows.append({"op": op, "bytes": s, "world_size": n, "backend_ms": b * 1e3, "ring_ms": r * 1e3,
                          "busbw_backend_GBps": bus["backend"], "busbw_ring_GBps": bus["ring"], "speedup": ratio,
                          "speedup_ci": speedup["ci"], "rounds": len(times["ring"])})
@@ -81,7 +80,7 @@ def bench_main(cfg_dict: dict) -> None:
 
 @hydra.main(config_path="../configs", config_name="bench_ring", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    require_known("ops", cfg.ops, BUS_FACTOR)
+    require_known("ops", cfg.ops, OPS)
     run_recipe(bench_main, cfg, path_keys=("out",))
 
 

@@ -140,9 +140,7 @@ class NativeHSDP(NativeFSDP):
         R, S = mesh_dims(self.cfg, self.ctx.world_size)
         device = "cuda" if self.ctx.device.type == "cuda" else "cpu"
         self.shard_size = S
-        # The profiler's c10d events do not say their group: HSDP all_reduces across the R
-        # replicas and gathers / reduce_scatters within the S shard ranks.
-        self.op_group_sizes = {"all_reduce": R, "all_gather": S, "reduce_scatter": S}
+        self.op_group_sizes = self.spec.op_group_sizes(self.ctx.world_size, S)  # its collectives' groups
         return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
 
 # -- the specs (spec.py says how they are read)

@@ -15,15 +15,17 @@ bound and the cost model (costmodel.py) all price a strategy the same way:
 - `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
   1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
 
-Ring model, on a group of g ranks moving M bytes: reduce_scatter and all_gather send
-(g-1)/g M per rank, all_reduce twice that; a broadcast is counted M for every rank, as
-minidist.comm counts it.
+Ring model (minidist.comm.ring_bytes_sent, what the CommTracer counts), on a group of g ranks
+moving M bytes: reduce_scatter and all_gather send (g-1)/g M per rank, all_reduce twice that;
+a broadcast is counted M for every rank.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+from minidist import comm
 
 KINDS = ("minidist", "native", "deepspeed")
 CHECKPOINTS = ("full", "sharded", "deepspeed")
@@ -115,6 +117,17 @@ class StrategySpec:
             return None
         return {"world": n, "shard": shard, "replicas": n // shard}
 
+    def op_group_sizes(self, n: int, shard: int | None) -> dict[str, int]:
+        """Ranks in the group each op of `collectives` runs on ({} where unknown): what a trace
+        whose events do not say their group (the profiler's c10d events) is priced with."""
+        sizes = self.group_sizes(n, shard)
+        if sizes is None:
+            return {}
+        ops = {c.op: sizes[c.group] for c in self.collectives}
+        if len(ops) != len({(c.op, c.group) for c in self.collectives}):
+            raise ValueError(f"StrategySpec {self.name!r}: an op on two groups; a trace cannot tell them apart")
+        return ops
+
     def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: int = 4) -> dict[str, float]:
         """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
         hybrid strategy without `shard`, the size S of its shard groups)."""
@@ -125,7 +138,7 @@ class StrategySpec:
         for c in self.collectives:
             g = sizes[c.group]
             m = psi * element_bytes / (shard if c.payload == "shard" else 1)
-            sent = m if c.op == "broadcast" else (2 if c.op == "all_reduce" else 1) * (g - 1) / g * m
+            sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
             if sent:
                 out[c.op] = out.get(c.op, 0.0) + c.count * sent
         return out
