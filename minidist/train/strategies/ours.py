@@ -87,9 +87,8 @@ class OursZero(Strategy):
         from minidist import ShardedDataParallel
 
         stage, c = self.spec.zero_stage, self.cfg
-        # The options this stage takes (its spec's), as the config gives them.
-        kwargs = {key: c[key] for key in ("bucket_cap_mb", "min_unit_params", "broadcast_buffers", "collectives",
-                                           "find_unused_parameters") if key in self.spec.options}
+        # The options this stage takes (its spec's), as the config gives them; shard_size makes the mesh.
+        kwargs = {key: c[key] for key in self.spec.options if key != "shard_size"}
         if self.spec.hybrid:
             kwargs["mesh"] = build_mesh(c)
         if stage == 3 and self.compute_dtype is not None:  # gathered in bf16, reduced in fp32
