@@ -57,9 +57,14 @@ from dataclasses import dataclass, replace
 
 from minidist.train.strategies import spec, specs
 
-# The strategies priced: minidist's own that communicate (native PyTorch's and DeepSpeed's move
-# the same bytes as their minidist counterparts), in the registry's order.
-STRATEGIES = tuple(s.name for s in specs("minidist") if s.collectives)
+
+
+def strategies() -> tuple[str, ...]:
+    """The strategies priced: minidist's own shipped ones that communicate (native PyTorch's and
+    DeepSpeed's move the same bytes as their minidist counterparts), in the registry's order.
+    Read at each call, so a strategy added to the registry's families is priced at once; one a
+    script registers for itself is not (the documents rendered from here describe minidist's)."""
+    return tuple(s.name for s in specs("minidist", shipped_only=True) if s.collectives)
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,8 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
 
     `algorithm` applies to all_reduce (ring or tree); reduce_scatter and all_gather are rings.
     `shard`: the shard group's size S for a hybrid strategy (default: one host)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {STRATEGIES}")
+    if strategy not in strategies():
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {strategies()}")
     s = spec(strategy)
     G, N = c.per_host, hosts * c.per_host
     S = shard or G
@@ -168,7 +173,7 @@ def evaluate(params: float, units: int, hosts: int, c: Cluster, algorithm: str =
     the hybrid ZeRO strategies (hsdp2/hsdp3) the shard group size used (one host, or the smallest multiple that fits)."""
     N, budget = hosts * c.per_host, state_fraction * c.device_bytes
     out = {}
-    for s in STRATEGIES:
+    for s in strategies():
         shard = None
         if spec(s).hybrid and spec(s).zero_stage:  # sharded on a mesh: the smallest shard group that fits
             shard = c.per_host
@@ -185,8 +190,9 @@ def recommend(params: float, units: int, hosts: int, c: Cluster, algorithm: str 
               state_fraction: float = 0.5) -> tuple[str | None, dict]:
     """The strategy with the least communication among those whose state fits (None: none fits)."""
     rows = evaluate(params, units, hosts, c, algorithm, state_fraction)
-    fitting = [s for s in STRATEGIES if rows[s]["fits"]]
-    return (min(fitting, key=lambda s: (rows[s]["total"], STRATEGIES.index(s))) if fitting else None), rows
+    order = list(rows)  # the registry's
+    fitting = [s for s in order if rows[s]["fits"]]
+    return (min(fitting, key=lambda s: (rows[s]["total"], order.index(s))) if fitting else None), rows
 
 
 # --------------------------------------------------------------------------- table and plot
@@ -195,19 +201,19 @@ RANKS = (16, 64, 256, 1024, 4096, 16384)
 
 
 def table_markdown(algorithm: str = "ring") -> str:
-    lines = []
+    lines, priced = [], strategies()
     for cname, c in CLUSTERS.items():
         for mname, (params, units) in MODELS.items():
             lines += [f"### {mname} parameters, `{cname}` cluster ({c.per_host} ranks a host, "
                       f"{c.intra_bw / 1e9:g} GB/s within, {c.inter_bw / 1e9:g} GB/s a host between), "
                       f"{algorithm} all_reduce", "",
-                      "| ranks | " + " | ".join(STRATEGIES) + " | pick |",
-                      "|---" * (len(STRATEGIES) + 2) + "|"]
+                      "| ranks | " + " | ".join(priced) + " | pick |",
+                      "|---" * (len(priced) + 2) + "|"]
             for n in RANKS:
                 pick, rows = recommend(params, units, n // c.per_host, c, algorithm)
                 cells = [f"{rows[s]['total'] * 1e3:,.0f}" + ("" if rows[s]["fits"] else " ✗")
                          + (f" (S={rows[s]['shard']})" if rows[s]["shard"] not in (None, c.per_host) else "")
-                         for s in STRATEGIES]
+                         for s in priced]
                 lines.append(f"| {n:,} | " + " | ".join(cells) + f" | **{pick or '-'}** |")
             lines.append("")
     return "\n".join(lines)
@@ -218,11 +224,12 @@ def plot(path: str, algorithm: str = "ring") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    priced = strategies()
     fig, axes = plt.subplots(len(CLUSTERS), len(MODELS), figsize=(11, 8), sharex=True)
     for i, (cname, c) in enumerate(CLUSTERS.items()):
         for j, (mname, (params, units)) in enumerate(MODELS.items()):
             ax = axes[i][j]
-            for s in STRATEGIES:
+            for s in priced:
                 xs, ys, fits = [], [], []
                 for n in RANKS:
                     r = evaluate(params, units, n // c.per_host, c, algorithm)[s]
@@ -231,7 +238,7 @@ def plot(path: str, algorithm: str = "ring") -> None:
                     fits.append(r["fits"])
                 # Several strategies cost the same (ddp = zero1 = zero2 with a ring; ddp_hierarchical
                 # = hsdp2): styles differ so that every line stays visible.
-                k = STRATEGIES.index(s)
+                k = priced.index(s)
                 markers = "os^vDP*"  # cycled: a strategy registered later (any number) still gets one
                 ax.plot(xs, ys, marker=markers[k % len(markers)], linestyle=("-", "--", ":", "-.")[k % 4], label=s, alpha=0.85,
                         markersize=4 + (k % 3))
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         pick, rows = recommend(args.params, units, args.hosts, c, args.algorithm)
         print(f"{args.params / 1e9:g}B parameters on {args.hosts} hosts x {c.per_host} ({args.cluster}, "
               f"{args.algorithm} all_reduce):")
-        for s in STRATEGIES:
+        for s in rows:
             row = rows[s]
             shard = f"  shard groups of {row['shard']}" if row["shard"] else ""
             print(f"  {s:<17}{row['total'] * 1e3:>10,.1f} ms/step  state {row['state_bytes'] / 1e9:>8,.1f} GB/rank"

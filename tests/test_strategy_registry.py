@@ -69,8 +69,7 @@ def test_example_strategy_trains_checkpoints_resumes_and_consolidates(ranks, tmp
     assert_same(consolidate(ckpt), first[0]["full_state"])  # the plain state_dict at step 10
 
 
-# slow (19 s, two ranks started for it): `make test-all` runs it; in `make test`, the example trains
-# above and test_compare.py's test_compare_exits_1_when_ours_differs runs the same comparison code.
+# slow (19 s, two ranks started for it): `make test-all` runs it; in `make test`, the example trains above.
 @pytest.mark.slow(stand_in="test_example_strategy_trains_checkpoints_resumes_and_consolidates")
 def test_example_strategy_takes_part_in_a_comparison(tmp_path):
     from minidist.compare.launch_compare import check_strategies, launch
@@ -213,6 +212,10 @@ def test_hybrid_theory_needs_the_shard_size_and_splits_the_traffic():
     assert spec("ddp_hierarchical").wire_bytes(1000, 4, shard=2) == {"reduce_scatter": 2000.0, "all_gather": 2000.0,
                                                                      "all_reduce": 2000.0}
     assert spec("native_zero1").wire_bytes(1000, 4) == {"all_reduce": 6000.0, "broadcast": 4000.0}
+    # what a trace without groups is priced with: each op's group, from the same declaration
+    assert spec("native_hsdp").op_group_sizes(8, 4) == {"reduce_scatter": 4, "all_gather": 4, "all_reduce": 2}
+    assert spec("ddp").op_group_sizes(4, None) == {"all_reduce": 4}
+    assert spec("hsdp3").op_group_sizes(4, None) == {}
 
 
 # -- one place for a strategy's defaults ----------------------------------------------------------
@@ -221,10 +224,9 @@ def yaml_strategies() -> list[str]:
 
 
 def test_every_registered_strategy_has_a_config_and_every_config_a_strategy():
-    from minidist.train.strategies import names
+    from minidist.train.strategies import specs
 
-    shipped = {n for n in names() if n != "naive_example"}
-    assert shipped == set(yaml_strategies())
+    assert {s.name for s in specs(shipped_only=True)} == set(yaml_strategies())
 
 
 @pytest.mark.parametrize("name", yaml_strategies())
@@ -238,12 +240,46 @@ def test_each_config_holds_the_options_its_spec_takes_and_code_reads_the_same(na
     assert OmegaConf.to_container(strategy_options(name)) == OmegaConf.to_container(composed)
 
 
-def test_the_readmes_strategy_table_lists_every_shipped_strategy():
-    import re
+def readme_table_differences() -> dict[str, set[str]]:
+    """The shipped strategies the README's table leaves out, and the names it lists that are none."""
+    from minidist.train.strategies import specs
 
     table = (ROOT / "README.md").read_text().split("### Strategies\n\n", 1)[1].split("\n\n", 1)[0]
     listed = {n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split("|")[1])}
-    assert listed == set(yaml_strategies())
+    shipped = {s.name for s in specs(shipped_only=True)}
+    return {"missing": shipped - listed, "not strategies": listed - shipped}
+
+
+def test_the_readmes_strategy_table_lists_every_shipped_strategy():
+    assert readme_table_differences() == {"missing": set(), "not strategies": set()}
+
+
+def test_a_strategy_added_to_a_family_reaches_the_cost_model_the_documents_and_the_readme_check(tmp_path):
+    """What adding hsdp1 to ours.py (its two lines) does, the rest of minidist unchanged (issue 27,
+    part 3: that broke the cost model's plot with an IndexError at the 8th strategy): the cost
+    model prices it, its plot and docs/scale.md render with it, and the README check names it as
+    missing from the table. A strategy a test registers for itself (naive_example) is in none."""
+    from minidist import costmodel
+    from minidist.train.strategies import registry
+    from minidist.train.strategies.ours import ZERO_OPTIONS, OursZero
+    from minidist.train.strategies.spec import ZERO12, in_shard_groups
+    from test_benchmarks_doc import SCALE, load_script
+
+    assert "naive_example" not in costmodel.strategies()
+    before = load_script(SCALE).render(img=tmp_path / "before")
+    register(StrategySpec("hsdp1", "minidist", OursZero, "ShardedDataParallel stage 1 on a mesh", checkpoint="sharded",
+                          reference="native_ddp", zero_stage=1, hybrid=True, collectives=in_shard_groups(ZERO12),
+                          options=ZERO_OPTIONS[1] + ("shard_size",), flat_optimizer_shards=True))
+    try:
+        assert costmodel.strategies()[-1] == "hsdp1" and len(costmodel.strategies()) >= 8
+        costmodel.plot(str(tmp_path / "plot.png"))
+        assert (tmp_path / "plot.png").stat().st_size > 0
+        after = load_script(SCALE).render(img=tmp_path / "after")
+        assert "hsdp1" in after and "hsdp1" not in before
+        assert readme_table_differences()["missing"] == {"hsdp1"}
+    finally:
+        registry.unregister("hsdp1")
+    assert "hsdp1" not in costmodel.strategies()
 
 
 def test_an_option_a_strategy_does_not_take_is_refused():

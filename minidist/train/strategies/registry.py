@@ -64,9 +64,17 @@ def names(kind: str | None = None) -> tuple[str, ...]:
     return tuple(s.name for s in specs(kind))
 
 
-def specs(kind: str | None = None) -> list[StrategySpec]:
+def specs(kind: str | None = None, shipped_only: bool = False) -> list[StrategySpec]:
+    """Registered specs in registration order: of one kind, when given; `shipped_only`: those
+    minidist's FAMILIES define (not one a script or test registered for itself)."""
     _load_families()
-    return [s for s in _SPECS.values() if kind is None or s.kind == kind]
+    return [s for s in _SPECS.values() if (kind is None or s.kind == kind)
+            and (not shipped_only or s.factory.__module__ in FAMILIES)]
+
+
+def unregister(name: str) -> None:
+    """Forget a strategy `register` added (a test's or a notebook's own; nothing else needs it)."""
+    _SPECS.pop(name, None)
 
 
 def spec(name: str, cfg=None) -> StrategySpec:
