@@ -86,56 +86,6 @@ def require_known(what: str, given, known) -> None:
         raise SystemExit(f"unknown {what} {sorted(unknown)}; choose from {sorted(known)}")
 
 
-def provenance(repo: Path, command: str, torch_version: str) -> dict:
-    """Where a committed benchmark result came from: the commit (marked when the code that ran had
-    uncommitted changes; docs/ is left out, the document scripts rewrite it as they go), the
-    command, torch's version and the date."""
-    import subprocess
-    import time
-
-    git = lambda *args: subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
-    return {"commit": git("rev-parse", "HEAD") + ("+uncommitted changes" if dirty else ""), "command": command,
-            "torch": torch_version, "date": time.strftime("%Y-%m-%d")}
-
-
-def regenerate_document(description: str, doc: Path, runs: dict, render, argv=None, quoted_in=None) -> None:
-    """The command line of the scripts that render a document from committed benchmark data
-    (scripts/make_*.py): run every entry of `runs` (name -> callable), or only those named by
-    --only prefixes, then write render() to `doc`; --render-only runs nothing. quoted_in:
-    (a file that quotes the document's figures, e.g. the README; the function that rewrites its
-    text with them, see fill_quotes), rewritten in place after the document."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--render-only", action="store_true",
-                        help="rewrite the document from the committed data without running anything")
-    parser.add_argument("--only", nargs="*", help="rerun only the runs whose names start with these")
-    args = parser.parse_args(argv)
-    if not args.render_only:
-        for name, run in runs.items():
-            if args.only is None or any(name.startswith(p) for p in args.only):
-                run()
-    Path(doc).write_text(render())
-    print(f"wrote {doc}")
-    if quoted_in is not None:
-        path, with_quotes = quoted_in
-        Path(path).write_text(with_quotes(Path(path).read_text()))
-        print(f"wrote the quotes in {path}")
-
-
-def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
-    """`text` (e.g. the README) with each region <!-- TAG:NAME -->...<!-- /TAG:NAME --> holding
-    quotes[NAME]: the sentences that quote a rendered document's figures, rendered with it."""
-    for name, quote in quotes.items():
-        start, end = f"<!-- {tag}:{name} -->", f"<!-- /{tag}:{name} -->"
-        if text.count(start) != 1 or text.count(end) != 1:
-            raise SystemExit(f"the text needs exactly one {start} ... {end} region")
-        head, rest = text.split(start)
-        text = head + start + quote + end + rest.split(end, 1)[1]
-    return text
-
-
 def write_json(path: str | None, payload: dict) -> None:
     """Write a benchmark's results (rank 0 only, by the caller) and say where."""
     if not path:

@@ -11,7 +11,8 @@ Each measured step runs every variant once, in a rotating order, on the same bat
 step's time is the slowest rank's (CUDA: after a synchronize). Reported per variant: the
 median step time, and the median of its step-by-step ratios to native DDP compiled with a
 bootstrap 95% interval (the pairs ran back to back, so drift between steps cancels).
-The JSON also records the commit, torch version and command that produced it.
+The JSON is a document data file (scripts/lib/doc_pipeline.py): the results, with the commit,
+command, torch version and date that produced them.
 """
 
 from __future__ import annotations
@@ -108,8 +109,11 @@ def provenance(cfg) -> dict:
         except (OSError, subprocess.SubprocessError):
             pass
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() and cfg.backend == "nccl" else "CPU"
-    return {"commit": commit, "torch": torch.__version__, "python": sys.version.split()[0], "device": device,
-            "command": "python recipes/bench_compile.py " + " ".join(sys.argv[1:])}
+    # The documents' provenance record (scripts/lib/doc_pipeline.py), written here because this
+    # runs on machines the document scripts do not (a GPU one, by scripts/gpu_check.sh).
+    return {"commit": commit, "command": "python recipes/bench_compile.py " + " ".join(sys.argv[1:]),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "python": sys.version.split()[0],
+            "device": device}
 
 
 def bench_main(cfg_dict: dict) -> None:
@@ -127,9 +131,10 @@ def bench_main(cfg_dict: dict) -> None:
             ci = row.get("ratio_ci95")
             print(f"  {name:<18}{row['median_step_s'] * 1e3:>10.2f} ms{row.get('paired_ratio', float('nan')):>24.3f}"
                   f"{f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '-':>18}")
-        write_json(cfg.out, {**provenance(cfg), "world_size": ctx.world_size, "backend": ctx.backend,
-                             "placement": cfg.placement, "compiler": cfg.compiler, "parameters": count_parameters(build(cfg, "cpu")),
-                             "gpt": OmegaConf.to_container(cfg.gpt), "warmup": cfg.warmup, "variants": rows})
+        write_json(cfg.out, {"provenance": provenance(cfg), "results": {
+            "world_size": ctx.world_size, "backend": ctx.backend, "placement": cfg.placement, "compiler": cfg.compiler,
+            "parameters": count_parameters(build(cfg, "cpu")), "gpt": OmegaConf.to_container(cfg.gpt),
+            "warmup": cfg.warmup, "variants": rows}})
     minidist.shutdown()
 
 

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance, regenerate_document, variant_spec  # noqa: E402
+from minidist.benchmarking import variant_spec  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+from doc_pipeline import Document, load as load_record, main, provenance, record, run_recipe  # noqa: E402
 from minidist.comm import RING_WINS_FROM  # noqa: E402
 from minidist.compare.report import markdown_table, speed_verdict  # noqa: E402
 from minidist.rss import formula_bytes, target_bytes  # noqa: E402
@@ -63,22 +60,9 @@ def command(name: str) -> str:
 
 def run(name: str) -> None:
     recipe, overrides, result_file = RUNS[name]
-    target = OUT / name
-    if target.exists():
-        shutil.rmtree(target)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    print(f"[{name}] {command(name)}", flush=True)
-    start = time.time()
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / recipe), *overrides, f"hydra.run.dir={target}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.time() - start
-    if done.returncode != 0 or not (target / result_file).is_file():
-        raise SystemExit(f"[{name}] failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    DATA.mkdir(parents=True, exist_ok=True)
-    data = {"provenance": provenance(ROOT, command(name), importlib.metadata.version("torch")),
-            "wall_s": wall, "results": json.loads((target / result_file).read_text())}
-    data_file(name).write_text(json.dumps(data, indent=1) + "\n")  # key order kept: it is the tables' row order
-    print(f"[{name}] {wall:.0f} s", flush=True)
+    results, wall = run_recipe(recipe, overrides, OUT / name, result_file)
+    # the results' key order kept: it is the tables' row order
+    record(data_file(name), results, provenance(command(name), importlib.metadata.version("torch")), wall_s=wall)
 
 
 def data_file(name: str) -> Path:
@@ -86,7 +70,7 @@ def data_file(name: str) -> Path:
 
 
 def load(name: str) -> dict | None:
-    return json.loads(data_file(name).read_text()) if data_file(name).is_file() else None
+    return load_record(data_file(name)) if data_file(name).is_file() else None
 
 
 # --------------------------------------------------------------------------- judgements
@@ -374,10 +358,7 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv=None) -> None:
-    regenerate_document(__doc__.splitlines()[0], DOC, {name: functools.partial(run, name) for name in RUNS}, render,
-                        argv)
-
+DOCUMENT = Document(Path(__file__), DOC, render, {name: functools.partial(run, name) for name in RUNS})
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(DOCUMENT))

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minidist import costmodel  # noqa: E402
-from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+from doc_pipeline import Document, load as load_record, main, provenance, record  # noqa: E402
 
 DOC = ROOT / "docs" / "scale.md"
 IMG = ROOT / "docs" / "img"
@@ -55,10 +56,7 @@ def measure(rate: int) -> None:
     done = subprocess.run(["bash", str(ROOT / "scripts" / "validate_sim.sh")], cwd=ROOT, env=env)
     if not (out / "measured.json").is_file():
         raise SystemExit(f"validate_sim.sh at {rate} Mbit/s measured nothing (exit {done.returncode}); logs in {out}")
-    measured = json.loads((out / "measured.json").read_text())
-    DATA.mkdir(parents=True, exist_ok=True)
-    data_file(rate).write_text(json.dumps(
-        {**measured, "provenance": provenance(ROOT, command(rate), torch.__version__)}, indent=1) + "\n")
+    record(data_file(rate), json.loads((out / "measured.json").read_text()), provenance(command(rate), torch.__version__))
     shutil.rmtree(out, ignore_errors=True)
 
 
@@ -67,7 +65,8 @@ def data_file(rate: int) -> Path:
 
 
 def load(rate: int) -> dict:
-    return json.loads(data_file(rate).read_text())
+    """What validate_sim.sh measured at `rate` (the cost model's `validate` input)."""
+    return load_record(data_file(rate))["results"]
 
 
 # --------------------------------------------------------------------------- the figures
@@ -116,12 +115,13 @@ def validation_section() -> list[str]:
     if not have:
         return ["No measurements committed yet: run `sudo python scripts/make_scale_doc.py`."]
     runs = {r: load(r) for r in have}
-    detailed = runs[DETAILED if DETAILED in have else have[0]]
+    shown = DETAILED if DETAILED in have else have[0]
+    detailed = runs[shown]
     patterns = list(detailed["measured"])
     ok, table = costmodel.validate(detailed, TOLERANCE)
     errs = {r: costmodel.prediction_errors(m) for r, m in runs.items()}
     lines = [
-        f"At {DETAILED} Mbit/s (`{command(DETAILED)}`, {detailed['provenance']['date']}):",
+        f"At {DETAILED} Mbit/s (`{command(DETAILED)}`, {load_record(data_file(shown))['provenance']['date']}):",
         "",
         table,
         "",
@@ -274,10 +274,7 @@ def render(img: Path = IMG) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv=None) -> None:
-    regenerate_document(__doc__.splitlines()[0], DOC, {str(r): (lambda r=r: measure(r)) for r in RATES}, render,
-                        argv)
-
+DOCUMENT = Document(Path(__file__), DOC, render, {str(r): (lambda r=r: measure(r)) for r in RATES})
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(DOCUMENT))

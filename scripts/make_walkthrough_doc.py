@@ -10,18 +10,15 @@ computed from that file.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import provenance, regenerate_document  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+from doc_pipeline import Document, load, main, provenance, record, run_recipe  # noqa: E402
 from minidist.compare.report import markdown_table  # noqa: E402
 
 OUT = ROOT / "outputs" / "walkthrough_doc"
@@ -38,18 +35,8 @@ def image(name: str) -> str:
 
 
 def run() -> None:
-    if OUT.exists():
-        shutil.rmtree(OUT)
-    start = time.time()
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "walkthrough.py"), f"hydra.run.dir={OUT}"],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-    if not (OUT / "results.json").is_file():
-        raise SystemExit(f"the walkthrough failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    results = json.loads((OUT / "results.json").read_text())
-    DATA.parent.mkdir(parents=True, exist_ok=True)
-    data = {"provenance": provenance(ROOT, COMMAND, results["torch"]), "wall_s": time.time() - start,
-            "results": results}
-    DATA.write_text(json.dumps(data, indent=1) + "\n")
+    results, wall = run_recipe("walkthrough.py", [], OUT, label="walkthrough")
+    record(DATA, results, provenance(COMMAND, results["torch"]), wall_s=wall)
     IMG.mkdir(parents=True, exist_ok=True)
     for name in results["rows"]:
         shutil.copy(OUT / f"timeline_{name.replace(' ', '_')}.png", IMG / image(name))
@@ -65,7 +52,7 @@ def ms(s: float | None) -> str:
 
 
 def render() -> str:
-    d = json.loads(DATA.read_text())
+    d = load(DATA)
     r, p = d["results"], d["provenance"]
     rows = r["rows"]
     headers = ["step", "file", "max difference from native DDP", "collectives per step", "median step",
@@ -159,9 +146,7 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv=None) -> None:
-    regenerate_document(__doc__.splitlines()[0], DOC, {"walkthrough": run}, render, argv)
-
+DOCUMENT = Document(Path(__file__), DOC, render, {"walkthrough": run})
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(DOCUMENT))

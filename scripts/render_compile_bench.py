@@ -1,27 +1,40 @@
 """Render docs/compile.md from the committed results of recipes/bench_compile.py.
 
-    python scripts/render_compile_bench.py          # rewrite docs/compile.md
-    python scripts/render_compile_bench.py --check  # exit 1 if docs/compile.md is not this rendering
+    python scripts/render_compile_bench.py                # the CPU runs below, then the document
+    python scripts/render_compile_bench.py --render-only  # rewrite docs/compile.md from the committed data
+    python scripts/render_compile_bench.py --check        # exit 1 if docs/compile.md is not this rendering
 
-Reads docs/benchmarks/data/compile_*.json (each written by recipes/bench_compile.py, with the
-commit, torch version and command that produced it). Every judgement is computed from the
+Reads docs/benchmarks/data/compile_*.json, each written by recipes/bench_compile.py in the
+documents' data schema (scripts/lib/doc_pipeline.py): here for the CPU runs, by
+scripts/gpu_check.sh on a GPU machine for the others. Every judgement is computed from the
 data: a variant "keeps pace" when the upper end of its ratio's 95% interval is <= 1.05, is
 "slower" when the lower end is above 1.05; otherwise the interval straddles that line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import functools
+import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from minidist.benchmarking import variant_spec  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+from doc_pipeline import Document, load, main, run_recipe  # noqa: E402
+
 DATA = ROOT / "docs" / "benchmarks" / "data"
 DOC = ROOT / "docs" / "compile.md"
+OUT = ROOT / "outputs" / "bench_compile"
 TARGET = 1.05  # within 5% of native DDP compiled: what "keeps pace" means here
+CPU_RUNS = {"cpu_2ranks_inner": ["placement=inner", "steps=60"], "cpu_2ranks_outer": ["placement=outer", "steps=60"]}
+
+
+def run(name: str, overrides: list[str]) -> None:
+    """The recipe writes its data file itself (it runs where this script does not, too)."""
+    run_recipe("bench_compile.py", overrides, OUT / name)
+    shutil.copy(OUT / name / "results.json", DATA / f"compile_{name}.json")
 
 
 def is_reference(variant: str) -> bool:
@@ -78,7 +91,8 @@ def render() -> str:
         "`tests/test_drop_in.py` (CPU) and `tests/test_gpu.py` (CUDA).",
         "",
     ]
-    results = {path.name: json.loads(path.read_text()) for path in sorted(DATA.glob("compile_*.json"))}
+    # each run's provenance beside its results: the sections print both
+    results = {path.name: {**(d := load(path))["results"], **d["provenance"]} for path in sorted(DATA.glob("compile_*.json"))}
     for name, r in results.items():
         lines += section(name, r)
     lines += placement_section(list(results.values()))
@@ -109,20 +123,7 @@ def placement_section(results: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/compile.md differs from the rendering")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not DOC.exists() or DOC.read_text() != text:
-            print(f"{DOC} is not the rendering of {DATA}: run python scripts/render_compile_bench.py")
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(f"wrote {DOC}")
-    return 0
-
+DOCUMENT = Document(Path(__file__), DOC, render, {name: functools.partial(run, name, o) for name, o in CPU_RUNS.items()})
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(DOCUMENT))

@@ -19,9 +19,10 @@ def test_tiny_benchmark_reports_every_variant_with_an_interval(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads((tmp_path / "results.json").read_text())
+    data = json.loads((tmp_path / "results.json").read_text())
+    r, p = data["results"], data["provenance"]
     assert set(r["variants"]) == {"native_ddp", "ddp", "zero1", "zero2", "zero3", "native_ddp_eager"}
-    assert r["command"].startswith("python recipes/bench_compile.py") and r["torch"]
+    assert p["command"].startswith("python recipes/bench_compile.py") and p["torch"] and p["date"] and p["commit"]
     for row in r["variants"].values():
         lo, hi = row["ratio_ci95"]
         assert row["steps"] == 3 and row["median_step_s"] > 0 and lo <= row["paired_ratio"] <= hi

@@ -91,10 +91,10 @@ def test_the_scale_document_is_the_rendering_of_the_cost_model_and_the_committed
 def test_every_committed_validation_run_says_where_it_came_from_and_is_within_the_bound():
     make_scale_doc = load_script(SCALE)
     for rate in make_scale_doc.RATES:
-        data = make_scale_doc.load(rate)
-        assert data["provenance"]["command"] == make_scale_doc.command(rate)
-        assert len(data["provenance"]["commit"]) >= 40 and data["provenance"]["date"]
-        errors = make_scale_doc.costmodel.prediction_errors(data)
+        provenance = make_scale_doc.load_record(make_scale_doc.data_file(rate))["provenance"]
+        assert provenance["command"] == make_scale_doc.command(rate)
+        assert len(provenance["commit"]) >= 40 and provenance["date"]
+        errors = make_scale_doc.costmodel.prediction_errors(make_scale_doc.load(rate))
         assert set(errors) == {"ddp", "zero3", "ddp_hierarchical", "hsdp3"}
         assert all(abs(e) <= make_scale_doc.TOLERANCE for e in errors.values()), (rate, errors)
 
@@ -113,9 +113,57 @@ def test_the_fault_tolerance_document_is_the_rendering_of_the_committed_soak():
     make_doc = load_script(FAULTS)
     assert make_doc.render() == (ROOT / "docs" / "fault_tolerance.md").read_text(), \
         "docs/fault_tolerance.md differs from its data: run python scripts/make_fault_tolerance_doc.py --render-only"
-    soak = json.loads(make_doc.DATA.read_text())
-    assert soak["provenance"]["command"] == make_doc.COMMAND and len(soak["provenance"]["commit"]) >= 40
+    data = json.loads(make_doc.DATA.read_text())
+    soak = data["results"]
+    assert data["provenance"]["command"] == make_doc.COMMAND and len(data["provenance"]["commit"]) >= 40
     assert len(soak["kills"]) == len(soak["redone_steps"]) and soak["with_kills_s"] > soak["straight_s"]
     readme = (ROOT / "README.md").read_text()
     assert make_doc.with_quotes(readme) == readme, \
         "README.md quotes soak figures the data no longer holds: run python scripts/make_fault_tolerance_doc.py --render-only"
+
+
+# ---------------------------------------------------------------- one pipeline for every document
+
+DOCUMENT_SCRIPTS = ["make_benchmarks.py", "make_components.py", "make_scale_doc.py", "make_fault_tolerance_doc.py",
+                    "make_walkthrough_doc.py", "render_compile_bench.py"]
+
+
+def test_every_document_script_declares_its_document_to_the_one_pipeline():
+    """Each scripts/make_*.py says only what is its own (runs, data, prose) and hands a Document to
+    scripts/lib/doc_pipeline.py, whose command line they all share; the library has none of it."""
+    import ast
+
+    found = sorted(p.name for p in (ROOT / "scripts").glob("*.py")
+                   if "render(" in p.read_text() and "docs" in p.read_text())
+    assert found == sorted(DOCUMENT_SCRIPTS)
+    for name in DOCUMENT_SCRIPTS:
+        module = load_script(ROOT / "scripts" / name)
+        assert module.DOCUMENT.script == ROOT / "scripts" / name and module.DOCUMENT.path.is_file()
+        tree = ast.parse((ROOT / "scripts" / name).read_text())
+        assert not any(isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names) for n in ast.walk(tree))
+        assert module.main.__module__ == "doc_pipeline"
+    library = "".join(p.read_text() for p in (ROOT / "minidist").rglob("*.py"))
+    assert "argparse.ArgumentParser(description=description)" not in library and "def provenance(repo" not in library
+
+
+def test_every_committed_data_file_is_in_the_one_schema():
+    """provenance (commit, command, torch, date) and results, for every file under docs/*/data/."""
+    pipeline = load_script(ROOT / "scripts" / "lib" / "doc_pipeline.py")
+    files = sorted((ROOT / "docs").glob("*/data/*.json")) + sorted((ROOT / "docs").glob("*/*/data/*.json"))
+    assert len(files) >= 30
+    for f in files:
+        data = pipeline.load(f)
+        assert len(data["provenance"]["commit"]) >= 40, f
+
+
+def test_check_fails_on_a_stale_document_and_names_the_command(tmp_path, capsys):
+    pipeline = load_script(ROOT / "scripts" / "lib" / "doc_pipeline.py")
+    doc = tmp_path / "doc.md"
+    doc.write_text("old\n")
+    document = pipeline.Document(ROOT / "scripts" / "make_benchmarks.py", doc, lambda: "new\n")
+    assert pipeline.main(document, ["--check"]) == 1
+    assert f"{doc} is not the rendering of its data: run python scripts/make_benchmarks.py --render-only" in \
+        capsys.readouterr().out
+    assert doc.read_text() == "old\n"  # --check writes nothing
+    assert pipeline.main(document, ["--render-only"]) == 0 and doc.read_text() == "new\n"
+    assert pipeline.main(document, ["--check"]) == 0
