@@ -40,6 +40,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from minidist.parallel.sharded_format import merged_pieces
+
 ELEMENTWISE_OPTIMIZERS: set[type] = {
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
     torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adagrad, torch.optim.Adadelta,
@@ -201,7 +203,7 @@ class ShardOptimizer:
         names = [slot.name for s in self.shards for slot in s.slots]
         state: dict[int, dict] = {}
         for key in first["optim"]:
-            pieces = {n: [p for s in saved for p in s["optim"][key].get(n, [])] for n in names}
+            pieces = merged_pieces(saved, "optim", key, names)
             for k, shard in enumerate(self.shards):
                 flat = torch.zeros(shard.shard_size, dtype=torch.float32)
                 shard.fill_from_pieces(flat, pieces)

@@ -55,10 +55,9 @@ from minidist.parallel.native_args import (check_materialised, check_not_wrapped
 from minidist.parallel.across_replicas import ReplicaReduce
 from minidist.parallel.scaler_agreement import FoundInfAgreement
 from minidist.parallel.shard_optimizer import ShardOptimizer, parameter_groups
+from minidist.parallel.sharded_format import FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces
 from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.zero_join import ShardedJoin
-
-CHECKPOINT_FORMAT = "minidist.sharded.v1"
 
 
 class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
@@ -398,10 +397,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """Load what sharded_state_dict saved. Pass every saved rank's dict (a list) to load at a
         different world size; a single dict suffices when reloading at the same world size and rank."""
         states = state if isinstance(state, list) else [state]
-        for s in states:
-            if s.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError(f"not a minidist sharded checkpoint (format {s.get('format')!r}, "
-                                 f"expected {CHECKPOINT_FORMAT!r})")
+        check_format(states)
         mine = {slot.name: slot.shape for s in self._shards for slot in s.slots}
         saved_shapes = states[0]["shapes"]
         if {k: tuple(v) for k, v in saved_shapes.items()} != mine:
@@ -409,8 +405,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             extra = sorted(set(saved_shapes) - set(mine))
             raise ValueError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected "
                              f"{extra[:5]} (or shapes differ)")
-        merge = lambda key: {n: [p for s in states for p in s[key].get(n, [])] for n in mine}  # noqa: E731
-        params = merge("params")
+        params = merged_pieces(states, names=mine)
         for shard in self._shards:
             shard.fill_from_pieces(shard.master.data, params)
         self._shard_optimizer.load_owned_state(states)

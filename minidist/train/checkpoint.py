@@ -1,11 +1,11 @@
 """Trainer checkpoints: atomic, complete, resumable exactly; consolidated offline for any strategy.
 
     <run dir>/checkpoints/step_00000100/
-        meta.pt              step, strategy, world size, config, scheduler, scaler, data position
+        meta.pt              step, strategy, world size, layout, config, scheduler, scaler, data position
         rank00000.pt         each rank's own state: RNG states and buffers (BatchNorm statistics are
                              rank-local where a strategy does not broadcast them, e.g. fully_shard)
-        model.pt, optimizer.pt            full strategies (single, ddp, native_*): rank 0 writes
-        shard_rank00000.pt ..., layout.pt sharded strategies (zero1/2/3): every rank writes its shard
+        the model and optimizer state, in the strategy's layout (checkpoint_layouts.py: full,
+                             sharded or deepspeed, each one class that saves, loads and consolidates)
         manifest.json        every other file's size and sha256, written last (manifest.py)
 
 Safe to open: minidist saves only tensors and plain containers, and reads every file with
@@ -35,10 +35,10 @@ import torch
 
 from minidist import comm
 from minidist.dist import get_logger
+from minidist.train.checkpoint_layouts import layout_for, layout_of
 from minidist.train.errors import ConfigError
 from minidist.train.manifest import NAME as MANIFEST, write_manifest
 from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
-from minidist.train.strategies import shard_path
 
 FORMAT = "minidist.train.v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -164,7 +164,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     comm.barrier()
     error = None
     try:
-        strategy.save(tmp)
+        layout_for(strategy).save(strategy, tmp)
         save_tensors(rank_state(strategy.net), rank_path(tmp, rank))
         if rank == 0:
             save_tensors({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
@@ -240,15 +240,9 @@ def sync_to_disk(folder: Path, files: bool = True) -> None:
             os.close(fd)
 
 
-def saved_shapes(ckpt: Path, meta: dict, rank: int = 0) -> dict[str, tuple]:
+def saved_shapes(ckpt: Path, meta: dict) -> dict[str, tuple]:
     """Parameter (and, for full checkpoints, buffer) shapes a checkpoint holds, by state_dict key."""
-    ckpt = Path(ckpt)
-    if meta["sharded"]:
-        shard = load_tensors(shard_path(ckpt, rank))
-        layout = load_tensors(ckpt / "layout.pt")
-        by_param = {name: tuple(shape) for name, shape in shard["shapes"].items()}
-        return {key: by_param[name] for key, name in layout["params"].items() if name in by_param}
-    return {k: tuple(v.shape) for k, v in load_tensors(ckpt / "model.pt", mmap=True).items()}
+    return layout_of(meta).shapes(Path(ckpt), meta)
 
 
 def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
@@ -259,7 +253,7 @@ def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
         if key in saved and saved[key] != shape:
             raise ValueError(f"{ckpt} does not fit this model: first mismatching key {key!r} has shape "
                              f"{list(saved[key])} in the checkpoint, {list(shape)} in the model")
-        if key not in saved and not meta["sharded"]:  # sharded files list parameters only
+        if key not in saved and layout_of(meta).name != "sharded":  # sharded files list parameters only
             raise ValueError(f"{ckpt} does not fit this model: it has no {key!r} (the first model key it lacks)")
     for key in saved:
         if key not in model_shapes:
@@ -269,7 +263,7 @@ def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
 def load_checkpoint(ckpt: Path, strategy) -> dict:
     """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
     meta = read_meta(ckpt)
-    strategy.load(Path(ckpt), meta.get("shards", meta["world_size"]))
+    layout_of(meta).load(strategy, Path(ckpt), meta)
     load_rank_state(load_tensors(rank_path(ckpt, strategy.ctx.rank)), strategy.net)
     return meta
 
@@ -285,26 +279,7 @@ def consolidate(ckpt: Path) -> dict:
         print(f"note: ignoring {len(unlisted)} file(s) in {ckpt.name} its manifest does not list (no part of the "
               f"checkpoint; not opened): {', '.join(unlisted[:5])}", file=sys.stderr)
     meta = read_meta(ckpt)
-    if not meta["sharded"]:
-        return load_tensors(ckpt / "model.pt")
-    shards = [load_tensors(shard_path(ckpt, r)) for r in range(meta.get("shards", meta["world_size"]))]
-    layout = load_tensors(ckpt / "layout.pt")
-    params = {}
-    for name, shape in shards[0]["shapes"].items():
-        flat = torch.empty(int(torch.Size(shape).numel()))
-        covered = 0
-        for shard in shards:
-            for start, values in shard["params"].get(name, []):
-                flat[start:start + values.numel()] = values
-                covered += values.numel()
-        if covered != flat.numel():
-            raise ValueError(f"{ckpt}: the shards hold {covered} of the {flat.numel()} values of {name!r}; "
-                             "is a shard file missing?")
-        params[name] = flat.view(shape)
-    # In the module's own key order; a tied weight appears under each of its keys; frozen
-    # parameters and buffers are not sharded and come from the replicated part.
-    return {key: params[layout["params"][key]] if layout["params"].get(key) in params
-            else shards[0]["replicated"][key] for key in layout["order"]}
+    return layout_of(meta).consolidate(ckpt, meta)
 
 
 def describe(ckpt: Path) -> str:
@@ -316,8 +291,7 @@ def describe(ckpt: Path) -> str:
     files = [p for p in ckpt.rglob("*") if p.is_file() and p.relative_to(ckpt).as_posix() not in {*unlisted, MANIFEST}]
     cfg = meta.get("config") or {}
     model, data, optim = cfg.get("model", {}), cfg.get("data", {}), cfg.get("optim", {})
-    shards = meta.get("shards", meta["world_size"])
-    layout = f"sharded: {shards} shard file(s)" if meta["sharded"] else "a full state_dict (model.pt)"
+    layout = layout_of(meta).describe(meta)
     rows = [("checkpoint", str(ckpt)),
             ("step", f"{meta['step']} of {cfg.get('trainer', {}).get('max_steps', '?')} (trainer.max_steps)"),
             ("strategy", f"{meta['strategy']}, {meta['world_size']} rank(s); {layout}"),

@@ -32,6 +32,7 @@ from minidist import comm
 from minidist.profiling.timeline import settle
 from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from minidist.train.checkpoint_layouts import layout_for
 from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.data import collate
@@ -223,8 +224,8 @@ class Trainer:
         if not self._parameters_finite():
             raise FloatingPointError(f"step {self.step}: the parameters hold nan or inf on some rank: refusing to "
                                      "write a checkpoint of them (the previous ones are kept)")
-        meta = {"strategy": self.strategy.name, "world_size": self.ctx.world_size, "sharded":
-                self.strategy.sharded_checkpoint, "config": OmegaConf.to_container(self.cfg, resolve=True),
+        meta = {"strategy": self.strategy.name, "world_size": self.ctx.world_size,
+                "layout": layout_for(self.strategy).name, "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.sampler.state_dict(),
                 "shards": self.strategy.checkpoint_shards}  # files of a sharded one

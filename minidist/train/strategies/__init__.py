@@ -11,11 +11,11 @@ defaults in configs/strategy/NAME.yaml (README: "Adding a strategy").
 """
 
 from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
-                                            shard_path, state_dict_layout, step_unless_nonfinite)
+                                            step_unless_nonfinite)
 from minidist.train.strategies.registry import (build_strategy, check_options, names, reference_for, register,
                                                 spec, specs, split_variant, strategy_options)
 from minidist.train.strategies.spec import Collective, StrategySpec
 
 __all__ = ["Collective", "Strategy", "StrategySpec", "agree_on_overflow", "build_mesh", "build_strategy",
-           "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "shard_path", "spec",
-           "specs", "split_variant", "state_dict_layout", "step_unless_nonfinite", "strategy_options"]
+           "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "spec",
+           "specs", "split_variant", "step_unless_nonfinite", "strategy_options"]

@@ -7,8 +7,8 @@ helpers the strategy families (ours.py, native.py, deepspeed.py) share.
     strategy.backward(loss)                       # loss.backward(), or the engine's (DeepSpeed)
     strategy.clip_grad_norm_(1.0)                 # the global norm, whatever is sharded
     strategy.optimizer_step(1.0, scaler)          # unscale, clip, step, zero_grad; returns the norm
-    strategy.save(directory) / strategy.load(directory, saved_shards)
     strategy.full_state_dict()                    # rank 0: the plain state_dict of net
+    strategy.optimizer_state_dict()               # rank 0: the optimizer's (what checkpoint_layouts.py saves)
     strategy.memory_report()                      # bytes on this rank, from live storages
 
 A family module needs only this one (and spec.py), so the families never import each other.
@@ -16,15 +16,12 @@ A family module needs only this one (and spec.py), so the families never import 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
 from minidist.timing import to_host
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import load_tensors, save_tensors
 from minidist.train.strategies.spec import StrategySpec
 
 
@@ -60,10 +57,6 @@ class Strategy:
     def traces_comm(self) -> bool:
         """Its communication goes through minidist.comm, so CommTracer sees it."""
         return self.spec.traces_comm if self.spec is not None else True
-
-    @property
-    def sharded_checkpoint(self) -> bool:
-        return self.spec is not None and self.spec.checkpoint == "sharded"
 
     @property
     def checkpoint_shards(self) -> int:
@@ -123,19 +116,6 @@ class Strategy:
 
     def load_full_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state)
-
-    # -- checkpoints
-    def save(self, directory: Path) -> None:
-        """Write this rank's part of the model and optimizer state into `directory`. A collective."""
-        model, optim = self.full_state_dict(), self.optimizer_state_dict()
-        if self.ctx.rank == 0:
-            save_tensors(model, directory / "model.pt")
-            save_tensors(optim, directory / "optimizer.pt")
-
-    def load(self, directory: Path, saved_shards: int) -> None:
-        """Restore what `save` wrote (every rank reads the full files)."""
-        self.load_full_state_dict(load_tensors(directory / "model.pt", map_location=self.ctx.device))
-        self.load_optimizer_state_dict(load_tensors(directory / "optimizer.pt", map_location=self.ctx.device))
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
@@ -212,15 +192,3 @@ def build_mesh(cfg):
     mesh = minidist.init_mesh(replicate=replicate, shard=shard)
     minidist.print0(str(mesh))
     return mesh
-
-
-def shard_path(directory: Path, rank: int) -> Path:
-    return Path(directory) / f"shard_rank{rank:05d}.pt"
-
-
-def state_dict_layout(net: nn.Module) -> dict:
-    """The state_dict's keys in order, and which parameter each parameter key holds (tied weights:
-    two keys, one parameter) — what consolidating sharded checkpoints needs to rebuild it."""
-    names = {id(p): n for n, p in net.named_parameters()}
-    keys = net.state_dict(keep_vars=True)
-    return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}

@@ -38,7 +38,6 @@ import torch
 
 from minidist.memory import measure
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import save_tensors, verify_checkpoint_files
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ZERO3, ZERO12, StrategySpec
@@ -145,25 +144,10 @@ class DeepSpeedZero(Strategy):
         return state
 
     def optimizer_state_dict(self):
-        raise NotImplementedError("DeepSpeed's optimizer state is partitioned: see save/load")
+        raise NotImplementedError("DeepSpeed's optimizer state is partitioned: see checkpoint_layouts.DeepSpeedLayout")
 
     def load_full_state_dict(self, state):
-        raise NotImplementedError("DeepSpeed checkpoints are its own: see save/load")
-
-    def save(self, directory):
-        model = self.full_state_dict()
-        if self.ctx.rank == 0:
-            save_tensors(model, directory / "model.pt")  # for `python -m minidist.checkpoint consolidate`
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="state", save_latest=False)
-
-    def load(self, directory, saved_shards):
-        # DeepSpeed's loader unpickles without restriction: first prove every file holds only
-        # tensors, containers and DeepSpeed's three plain classes (safe_load.py).
-        verify_checkpoint_files(directory)
-        path, _ = self.engine.load_checkpoint(str(directory / "deepspeed"), tag="state",
-                                              load_lr_scheduler_states=False)
-        if path is None:
-            raise FileNotFoundError(f"{directory / 'deepspeed'}: no DeepSpeed checkpoint there")
+        raise NotImplementedError("DeepSpeed checkpoints are its own: see checkpoint_layouts.DeepSpeedLayout")
 
     def memory_report(self):
         """Live storages by category: the parameters this rank holds (stage 3: its partition),

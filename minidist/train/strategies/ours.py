@@ -20,8 +20,7 @@ import functools
 import torch
 
 from minidist.train.errors import ConfigError
-from minidist.train.safe_load import load_tensors, save_tensors
-from minidist.train.strategies.base import Strategy, build_mesh, shard_path, state_dict_layout
+from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
 
@@ -112,22 +111,24 @@ class OursZero(Strategy):
         return self.model.full_state_dict(rank0_only=True)
 
     def load_full_state_dict(self, state):
-        raise NotImplementedError("ZeRO checkpoints are sharded: see save/load")
+        raise NotImplementedError("ZeRO checkpoints are sharded: see checkpoint_layouts.Sharded")
 
-    def save(self, directory):
-        state = self.model.sharded_state_dict()  # a collective within the shard group: every rank calls it
-        mesh = self.model.mesh
-        if mesh is None or mesh.replica == 0:  # one copy of each shard, whatever the number of replicas
-            save_tensors(state, shard_path(directory, self.model.rank))
-        if self.ctx.rank == 0:
-            save_tensors(state_dict_layout(self.net), directory / "layout.pt")
+    # -- what checkpoint_layouts.Sharded saves and loads
+    def sharded_state_dict(self) -> dict:
+        return self.model.sharded_state_dict()  # a collective within the shard group
 
-    def load(self, directory, saved_shards):
-        if saved_shards == self.model.world_size:
-            state = load_tensors(shard_path(directory, self.model.rank))
-        else:  # another shard count (world size or mesh): every saved shard, re-cut for this one
-            state = [load_tensors(shard_path(directory, r)) for r in range(saved_shards)]
+    def load_sharded_state_dict(self, state) -> None:
         self.model.load_sharded_state_dict(state)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's place in its shard group: the shard file it reads at the same shard count."""
+        return self.model.rank
+
+    @property
+    def writes_shard(self) -> bool:
+        """The first replica writes the shards; the others hold the same ones."""
+        return self.model.mesh is None or self.model.mesh.replica == 0
 
     def memory_report(self):
         return self.model.memory_report()

@@ -1,0 +1,162 @@
+"""The three ways a checkpoint folder holds a strategy's state, each owned by one class: it saves,
+loads, reports the saved shapes and consolidates. Which one a strategy uses is its spec's
+`checkpoint` ("full", "sharded", "deepspeed"); a checkpoint's meta.pt names it as `layout`.
+Strategies expose state (full_state_dict, optimizer_state_dict, the sharded dicts, DeepSpeed's
+engine), never files.
+
+    full       model.pt (the plain state_dict) and optimizer.pt, written by rank 0
+    sharded    shard_rank%05d.pt per rank of a shard group (minidist.parallel.sharded_format),
+               written by the first replica only, and layout.pt: the state_dict's key order and
+               which parameter each key holds (tied weights), for consolidation
+    deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
+
+Besides these, every checkpoint has meta.pt (rank 0), rank_%05d.pt (each rank's RNG and buffers)
+and the manifest: train/checkpoint.py writes those, and the atomic rename.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minidist.parallel.sharded_format import full_parameters
+from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
+
+MODEL = "model.pt"
+OPTIMIZER = "optimizer.pt"
+LAYOUT = "layout.pt"
+DEEPSPEED = "deepspeed"
+
+
+def shard_path(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"shard_rank{rank:05d}.pt"
+
+
+def state_dict_layout(net: torch.nn.Module) -> dict:
+    """The state_dict's keys in order, and which parameter each parameter key holds (tied weights:
+    two keys, one parameter) — what consolidating sharded checkpoints needs to rebuild it."""
+    names = {id(p): n for n, p in net.named_parameters()}
+    keys = net.state_dict(keep_vars=True)
+    return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}
+
+
+class Full:
+    """The plain state_dict and the optimizer's, as one process holds them."""
+
+    name = "full"
+
+    def save(self, strategy, directory: Path) -> None:
+        model, optim = strategy.full_state_dict(), strategy.optimizer_state_dict()  # collectives
+        if strategy.ctx.rank == 0:
+            save_tensors(model, directory / MODEL)
+            save_tensors(optim, directory / OPTIMIZER)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        device = strategy.ctx.device
+        strategy.load_full_state_dict(load_tensors(directory / MODEL, map_location=device))
+        strategy.load_optimizer_state_dict(load_tensors(directory / OPTIMIZER, map_location=device))
+
+    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in load_tensors(ckpt / MODEL, mmap=True).items()}
+
+    def consolidate(self, ckpt: Path, meta: dict) -> dict:
+        return load_tensors(ckpt / MODEL)
+
+    def describe(self, meta: dict) -> str:
+        return f"a full state_dict ({MODEL}, {OPTIMIZER})"
+
+
+class Sharded:
+    """One file per rank of a shard group, pieces with offsets: loadable at any shard count."""
+
+    name = "sharded"
+
+    @staticmethod
+    def shards(meta: dict) -> int:
+        return int(meta.get("shards", meta["world_size"]))
+
+    def save(self, strategy, directory: Path) -> None:
+        state = strategy.sharded_state_dict()  # a collective within the shard group: every rank calls it
+        if strategy.writes_shard:  # one copy of each shard, whatever the number of replicas
+            save_tensors(state, shard_path(directory, state["rank"]))
+        if strategy.ctx.rank == 0:
+            save_tensors(state_dict_layout(strategy.net), directory / LAYOUT)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        saved = self.shards(meta)
+        if saved == strategy.checkpoint_shards:
+            state = load_tensors(shard_path(directory, strategy.shard_rank))
+        else:  # another shard count (world size or mesh): every saved shard, re-cut for this one
+            state = [load_tensors(shard_path(directory, r)) for r in range(saved)]
+        strategy.load_sharded_state_dict(state)
+
+    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
+        """The parameters' shapes by state_dict key (sharded files list parameters only)."""
+        shard = load_tensors(shard_path(ckpt, 0))
+        layout = load_tensors(ckpt / LAYOUT)
+        by_param = {name: tuple(shape) for name, shape in shard["shapes"].items()}
+        return {key: by_param[name] for key, name in layout["params"].items() if name in by_param}
+
+    def consolidate(self, ckpt: Path, meta: dict) -> dict:
+        shards = [load_tensors(shard_path(ckpt, r)) for r in range(self.shards(meta))]
+        params = full_parameters(shards, where=str(ckpt))
+        layout = load_tensors(ckpt / LAYOUT)
+        # In the module's own key order; a tied weight appears under each of its keys; frozen
+        # parameters and buffers are not sharded and come from the replicated part.
+        return {key: params[layout["params"][key]] if layout["params"].get(key) in params
+                else shards[0]["replicated"][key] for key in layout["order"]}
+
+    def describe(self, meta: dict) -> str:
+        return f"sharded: {self.shards(meta)} shard file(s)"
+
+
+class DeepSpeedLayout:
+    """DeepSpeed's engine writes and reads its own folder; our model.pt beside it consolidates."""
+
+    name = "deepspeed"
+
+    def save(self, strategy, directory: Path) -> None:
+        model = strategy.full_state_dict()  # a collective at stage 3
+        if strategy.ctx.rank == 0:
+            save_tensors(model, directory / MODEL)
+        strategy.engine.save_checkpoint(str(directory / DEEPSPEED), tag="state", save_latest=False)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        # DeepSpeed's loader unpickles without restriction: first prove every file holds only
+        # tensors, containers and DeepSpeed's three plain classes (safe_load.py).
+        verify_checkpoint_files(directory)
+        path, _ = strategy.engine.load_checkpoint(str(directory / DEEPSPEED), tag="state",
+                                                  load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{directory / DEEPSPEED}: no DeepSpeed checkpoint there")
+
+    shapes = Full.shapes
+    consolidate = Full.consolidate
+
+    def describe(self, meta: dict) -> str:
+        return f"DeepSpeed's own ({DEEPSPEED}/) and a full state_dict ({MODEL})"
+
+
+LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout())}
+
+
+def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout:
+    """The layout a strategy's checkpoints use: its spec's `checkpoint`."""
+    return LAYOUTS[strategy.spec.checkpoint if strategy.spec is not None else "full"]
+
+
+def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout:
+    """The layout a checkpoint was written in (meta.pt's `layout`; older ones said `sharded`, and
+    DeepSpeed's were told apart by their strategy)."""
+    from minidist.train.errors import ConfigError
+    from minidist.train.strategies import spec
+
+    if "layout" in meta:
+        return LAYOUTS[meta["layout"]]
+    if meta.get("sharded"):
+        return LAYOUTS["sharded"]
+    try:
+        return LAYOUTS[spec(meta["strategy"]).checkpoint]
+    except ConfigError:  # a strategy this process does not know: its full state_dict is what is readable
+        return LAYOUTS["full"]
