@@ -23,9 +23,12 @@ def test_checkpoint_info_verifies_the_files_and_says_what_it_holds(ranks, tmp_pa
     ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", strategy="zero2"), str(tmp_path), timeout_s=240)
     ckpt = latest_checkpoint(tmp_path)
     assert cli.main(["checkpoint", "info", str(ckpt)]) == 0
-    out = capsys.readouterr().out
-    assert "step        2 of 2 (trainer.max_steps)" in out
-    assert "strategy    zero2, 2 rank(s); sharded: 2 shard file(s)" in out
+    out = " ".join(capsys.readouterr().out.split(" "))
+    rows = {line[:13].strip(): line[13:].strip() for line in out.splitlines()}
+    assert rows["step"] == "2 of 2 (trainer.max_steps)"
+    assert rows["strategy"] == "zero2, 2 rank(s); sharded: 2 shard file(s)"
+    assert rows["data position"] == ("epoch 0, 16 samples into it (global batch 8: resumes exactly at any world "
+                                     "size that divides it)")
     assert "listed in its manifest, all verified" in out and f"trainer.resume={ckpt}" in out
     with open(ckpt / "meta.pt", "ab") as f:  # one byte more than its manifest says
         f.write(b"\0")

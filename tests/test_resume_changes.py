@@ -1,8 +1,8 @@
 """A run resumed with changed settings (issue 26, item 5): the keys that differ from the
 checkpoint's config are listed in one line; those that may change (the learning rate and its
-schedule, max_steps, cadences, clipping) are applied and said so; those that may not (model,
-data, seed, batch, precision, the optimizer's class) are refused before any rank starts, in one
-line; config.yaml records what the resumed run uses."""
+schedule, max_steps, cadences, clipping, the batch, the strategy) are applied and said so; those
+that may not (model, data, seed, precision, the optimizer's class) are refused before any rank
+starts, in one line; config.yaml records what the resumed run uses."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -27,7 +27,6 @@ def run_dir(ranks, tmp_path_factory):
     (["model.n_layer=3"], "holds model"),
     (["data.max_bytes=100000"], "data.max_bytes 200000 -> 100000"),
     (["trainer.seed=7"], "trainer.seed 1337 -> 7"),
-    (["trainer.micro_batch_size=2"], "trainer.micro_batch_size 4 -> 2"),
     (["trainer.precision=bf16"], "trainer.precision 'fp32' -> 'bf16'"),
     (["optim=sgd"], "optim._target_ 'torch.optim.AdamW' -> 'torch.optim.SGD'"),
 ])

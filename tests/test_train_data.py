@@ -137,10 +137,39 @@ def test_sampler_resumes_mid_epoch_with_the_same_batches():
     assert a.epoch_indices(0) != a.epoch_indices(1)  # reshuffled each epoch
 
 
-def test_sampler_refuses_a_position_from_other_settings():
+def global_steps(world: int, micro: int, accum: int, steps: int, state=None, n: int = 100) -> tuple[list, dict]:
+    """The sample ids of each of `steps` optimizer steps, over every rank (sorted), and the position after."""
+    samplers = [ShardedBatchSampler(n, r, world, micro, seed=3, grad_accum=accum) for r in range(world)]
+    for s in samplers:
+        if state is not None:
+            s.load_state_dict(state)
+    its = [iter(s) for s in samplers]
+    out = [sorted(i for it in its for _ in range(accum) for i in next(it)) for _ in range(steps)]
+    return out, samplers[0].state_dict()
+
+
+def test_the_global_sample_order_is_the_same_at_every_world_size_and_a_position_translates():
+    """A global batch of 16: 4 ranks x 2 x 2, 2 x 4 x 2, 1 x 16 x 1, 8 x 2 x 1 consume the same samples
+    in each optimizer step, across epoch boundaries (100 samples: 6 steps an epoch); a position
+    saved at one resumes exactly at another (issue 28)."""
+    straight, _ = global_steps(4, 2, 2, 15)
+    for world, micro, accum in ((2, 4, 2), (1, 16, 1), (8, 2, 1)):
+        assert global_steps(world, micro, accum, 15)[0] == straight
+        first, state = global_steps(4, 2, 2, 5)
+        rest, _ = global_steps(world, micro, accum, 10, state)
+        assert first + rest == straight, (world, micro, accum)
+    ids = [i for step in straight[:6] for i in step]
+    assert len(ids) == len(set(ids)) == 96  # an epoch: no sample twice, fewer than a global batch left out
+
+
+def test_sampler_refuses_a_position_it_cannot_continue_from():
     state = ShardedBatchSampler(100, 0, 2, 4, seed=0).state_dict()
-    with pytest.raises(ConfigError, match="micro_batch_size"):
-        ShardedBatchSampler(100, 0, 2, 8, seed=0).load_state_dict(state)
+    with pytest.raises(ConfigError, match="trainer.seed"):
+        ShardedBatchSampler(100, 0, 2, 4, seed=1).load_state_dict(state)
+    sampler = ShardedBatchSampler(100, 0, 2, 4, seed=0)
+    next(iter(sampler))  # 8 samples into the epoch: not a whole micro-step of 3 ranks x 4
+    with pytest.raises(ConfigError, match="not a whole number of this run's micro-steps"):
+        ShardedBatchSampler(100, 0, 3, 4, seed=0).load_state_dict(sampler.state_dict())
 
 
 def test_missing_image_files_say_where_they_go(tmp_path):

@@ -344,6 +344,22 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             out[key] = values[id(value)] if id(value) in values else value.detach().clone()
         return out
 
+    def load_full_state_dict(self, state: dict) -> None:
+        """Load a plain state_dict of the wrapped module (what full_state_dict() returns, or the
+        module's own state_dict from any run): each rank keeps its slices, no communication. The
+        optimizer's state is not touched: load_full_optim_state_dict loads it."""
+        sharded = {id(p) for p in self._params}
+        own = self.module.state_dict(keep_vars=True)
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"ShardedDataParallel.load_full_state_dict: the state has no {missing[:5]}")
+        slots = [slot for s in self._shards for slot in s.slots]
+        self.load_sharded_state_dict({
+            "format": CHECKPOINT_FORMAT, "world_size": 1, "rank": 0, "stage": self.stage, "mesh": None,
+            "shapes": {slot.name: slot.shape for slot in slots},
+            "params": {slot.name: [(0, state[slot.name].detach().reshape(-1).cpu().float())] for slot in slots},
+            "replicated": {k: state[k] for k, v in own.items() if id(v) not in sharded}})
+
     def full_optim_state_dict(self, optimizer: torch.optim.Optimizer | None = None,
                               rank0_only: bool = False) -> dict:
         """The optimizer's whole state, unsharded: what a torch optimizer of the same class over
@@ -356,6 +372,11 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._check_is_ours(optimizer)
         self.wait_for_parameters()
         return self._shard_optimizer.full_state_dict(rank0_only, self.rank)
+
+    @property
+    def full_param_groups(self) -> list[list[nn.Parameter]]:
+        """The module's parameters, group by group, as full_optim_state_dict() numbers them."""
+        return self._full_groups
 
     def load_full_optim_state_dict(self, state: dict, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load what full_optim_state_dict() (or a native optimizer over the same param groups)
@@ -408,7 +429,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         params = merged_pieces(states, names=mine)
         for shard in self._shards:
             shard.fill_from_pieces(shard.master.data, params)
-        self._shard_optimizer.load_owned_state(states)
+        if "optim" in states[0]:  # (load_full_state_dict's has none: the optimizer is left as it is)
+            self._shard_optimizer.load_owned_state(states)
         with torch.no_grad():
             own = self.module.state_dict(keep_vars=True)
             for key, value in states[0]["replicated"].items():

@@ -261,10 +261,21 @@ def check_fits(ckpt: Path, meta: dict, model_shapes: dict[str, tuple]) -> None:
 
 
 def load_checkpoint(ckpt: Path, strategy) -> dict:
-    """Restore model, optimizer and this rank's own state from `ckpt`; return its meta for the rest."""
+    """Restore model and optimizer from `ckpt`, written by any strategy at any world size, and this
+    rank's own state (RNG, rank-local buffers) where the world size is the same; return its meta.
+
+    The same strategy loads its own layout (a sharded one re-cut for another shard count); another
+    strategy loads the checkpoint's portable form (checkpoint_layouts.py). At another world size the
+    ranks are not the same ranks: buffers come from the model state (rank 0's), and each rank's
+    random stream restarts from (trainer.seed, step, rank), which the caller does."""
     meta = read_meta(ckpt)
-    layout_of(meta).load(strategy, Path(ckpt), meta)
-    load_rank_state(load_tensors(rank_path(ckpt, strategy.ctx.rank)), strategy.net)
+    ckpt, layout = Path(ckpt), layout_of(meta)
+    if meta["strategy"] == strategy.name:
+        layout.load(strategy, ckpt, meta)
+    else:
+        strategy.load_portable(*layout.portable(ckpt, meta, [n for n, _ in strategy.net.named_parameters()]))
+    if meta["world_size"] == strategy.ctx.world_size:
+        load_rank_state(load_tensors(rank_path(ckpt, strategy.ctx.rank)), strategy.net)
     return meta
 
 
@@ -282,6 +293,14 @@ def consolidate(ckpt: Path) -> dict:
     return layout_of(meta).consolidate(ckpt, meta)
 
 
+def position(data: dict) -> str:
+    """A checkpoint's data position, as `checkpoint info` says it."""
+    if "consumed" not in data:
+        return f"epoch {data.get('epoch', '?')}, {data.get('taken', '?')} micro-batches per rank into it"
+    return (f"epoch {data['epoch']}, {data['consumed']:,} samples into it (global batch {data['global_batch']}: resumes "
+            "exactly at any world size that divides it)")
+
+
 def describe(ckpt: Path) -> str:
     """`minidist checkpoint info`: what a checkpoint holds, every file checked against its manifest
     first (a ConfigError names the first that fails)."""
@@ -295,6 +314,9 @@ def describe(ckpt: Path) -> str:
     rows = [("checkpoint", str(ckpt)),
             ("step", f"{meta['step']} of {cfg.get('trainer', {}).get('max_steps', '?')} (trainer.max_steps)"),
             ("strategy", f"{meta['strategy']}, {meta['world_size']} rank(s); {layout}"),
+            *([("mesh", f"shard groups of {shard_size} ranks, {meta['world_size'] // int(shard_size)} replica(s)")]
+              if (shard_size := cfg.get("strategy", {}).get("shard_size")) else []),
+            ("data position", position(meta.get("data") or {})),
             ("model", f"{model.get('name', '?')} on {data.get('name', '?')}"),
             ("optimizer", f"{optim.get('_target_', '?')}, lr {optim.get('lr', '?')}"),
             ("files", f"{len(files)} listed in its manifest, all verified: {folder_bytes(ckpt) / 2**20:,.1f} MiB"),

@@ -10,6 +10,11 @@ engine), never files.
                which parameter each key holds (tied weights), for consolidation
     deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
 
+Any layout but DeepSpeed's also gives its state in one portable form (`portable`): the plain
+state_dict, and the optimizer's state keyed by parameter name, as torch.distributed.checkpoint's
+full optimizer state is ({"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}):
+what a run of another strategy or world size loads (Strategy.load_portable).
+
 Besides these, every checkpoint has meta.pt (rank 0), rank_%05d.pt (each rank's RNG and buffers)
 and the manifest: train/checkpoint.py writes those, and the atomic rename.
 """
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.parallel.sharded_format import full_parameters
+from minidist.parallel.sharded_format import assemble, full_parameters, merged_pieces
 from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
 
 MODEL = "model.pt"
@@ -62,6 +67,15 @@ class Full:
 
     def consolidate(self, ckpt: Path, meta: dict) -> dict:
         return load_tensors(ckpt / MODEL)
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        """`names`: the model's parameters in order (the optimizer's numbering, where its state is
+        numbered; fully_shard's is keyed by name already)."""
+        optim = load_tensors(ckpt / OPTIMIZER)
+        name = lambda key: key if isinstance(key, str) else names[int(key)]  # noqa: E731
+        return load_tensors(ckpt / MODEL), {
+            "state": {name(k): v for k, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in optim["param_groups"]]}
 
     def describe(self, meta: dict) -> str:
         return f"a full state_dict ({MODEL}, {OPTIMIZER})"
@@ -107,6 +121,24 @@ class Sharded:
         return {key: params[layout["params"][key]] if layout["params"].get(key) in params
                 else shards[0]["replicated"][key] for key in layout["order"]}
 
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        shards = [load_tensors(shard_path(ckpt, r)) for r in range(self.shards(meta))]
+        shapes = shards[0]["shapes"]
+        state = {name: {} for name in shapes}
+        for key in shards[0]["optim"]:
+            pieces = merged_pieces(shards, "optim", key)
+            for name, shape in shapes.items():
+                state[name][key] = assemble(name, shape, pieces[name], f"{ckpt} ({key})")
+        # Per-step scalars (Adam's step) are the same in every shard and group piece: any one's.
+        scalars = next((g for groups in shards[0]["optim_scalars"].values()
+                        for g in (groups if isinstance(groups, list) else [groups]) if g), {})
+        for name in state:
+            state[name].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        groups = shards[0]["param_groups"]
+        if len(groups) != 1:
+            raise ValueError(f"{ckpt}: {len(groups)} param groups; resuming in another layout takes one")
+        return self.consolidate(ckpt, meta), {"state": state, "param_groups": [{**groups[0], "params": list(shapes)}]}
+
     def describe(self, meta: dict) -> str:
         return f"sharded: {self.shards(meta)} shard file(s)"
 
@@ -133,6 +165,13 @@ class DeepSpeedLayout:
 
     shapes = Full.shapes
     consolidate = Full.consolidate
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        from minidist.train.errors import ConfigError
+
+        raise ConfigError(f"{ckpt} is DeepSpeed's own checkpoint (its optimizer state partitioned its way): it "
+                          f"resumes only as strategy={meta['strategy']} at {meta['world_size']} ranks; to start another "
+                          "strategy from its weights, consolidate it (minidist checkpoint consolidate)")
 
     def describe(self, meta: dict) -> str:
         return f"DeepSpeed's own ({DEEPSPEED}/) and a full state_dict ({MODEL})"

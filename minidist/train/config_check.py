@@ -104,19 +104,14 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
         raise ConfigError(f"trainer.resume: {ckpt} holds model {short(model)}, this run builds {_plain(cfg.model)}: "
                           "resume with the same model= settings, or start a new run (trainer.resume=none in a new "
                           "hydra.run.dir)")
-    if meta["strategy"] != cfg.strategy.name:
-        raise ConfigError(f"trainer.resume: {ckpt} was saved by strategy={meta['strategy']}, this run uses "
-                          f"strategy={cfg.strategy.name}: resume with the same strategy (or consolidate it with "
-                          "python -m minidist.checkpoint consolidate and start anew)")
+    check_layouts_meet(cfg, ckpt, meta, world_size)
     with torch.device("meta"):  # the model's shapes, no memory
         shapes = {k: tuple(v.shape) for k, v in build_model(cfg.model, data_mod.data_info(cfg.data)).state_dict().items()}
     try:
         check_fits(ckpt, meta, shapes)
     except ValueError as e:
         raise ConfigError(f"trainer.resume: {e}: resume with the model that wrote it, or start a new run") from e
-    if meta["world_size"] != world_size:
-        raise ConfigError(f"trainer.resume: {ckpt} was saved by {meta['world_size']} ranks, this run has "
-                          f"{world_size}: resume with launcher.nproc={meta['world_size']} (or the same torchrun size)")
+    grad_accum_on_resume(cfg, meta, world_size)  # the global batch: kept, or refused with the fix
     changes = config_changes(saved, _plain(cfg))
     fixed = [(k, a, b) for k, a, b in changes if is_fixed(k)]
     if fixed:
@@ -127,6 +122,58 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     if changes:
         print0(f"trainer.resume: settings changed since {ckpt.name} was written: {describe(changes)} (applied from "
                f"step {meta['step']})")
+
+
+def check_layouts_meet(cfg, ckpt: Path, meta: dict, world_size: int) -> None:
+    """Any strategy resumes any other's checkpoint at any world size (checkpoint_layouts.py's
+    portable form), but DeepSpeed's: its engine reads only its own, at its own world size."""
+    from minidist.train.checkpoint_layouts import layout_of
+    from minidist.train.strategies import spec
+
+    saved, ours = layout_of(meta).name, spec(cfg.strategy.name, cfg.strategy).checkpoint
+    same = meta["strategy"] == cfg.strategy.name and meta["world_size"] == world_size
+    if "deepspeed" in (saved, ours) and not same:
+        raise ConfigError(f"trainer.resume: {ckpt} ({meta['strategy']} at {meta['world_size']} ranks) cannot resume "
+                          f"as strategy={cfg.strategy.name} at {world_size} ranks: DeepSpeed's engine reads only its own "
+                          f"checkpoints, at the world size that wrote them. Resume with strategy={meta['strategy']} "
+                          f"launcher.nproc={meta['world_size']}, or start from its weights: minidist checkpoint "
+                          "consolidate")
+
+
+BATCH_KEYS = ("trainer.micro_batch_size", "trainer.grad_accum", "trainer.global_batch_size")
+
+
+def saved_global_batch(meta: dict) -> int:
+    """The global batch a checkpoint's run trained with."""
+    from omegaconf import OmegaConf
+
+    data = meta["data"]
+    if "global_batch" in data:
+        return int(data["global_batch"])
+    saved = OmegaConf.create(meta["config"])
+    return int(data["micro_batch_size"]) * int(data["world_size"]) * grad_accum_steps(saved, int(data["world_size"]))
+
+
+def grad_accum_on_resume(cfg, meta: dict, world_size: int) -> tuple[int, str | None]:
+    """This run's grad_accum when resuming `meta`'s checkpoint, and what it changed (None: nothing).
+
+    Where this run's batch settings are the checkpoint's, its global batch is kept: grad_accum
+    adapts to this world size, and a world size that cannot keep it is refused with the fix.
+    Settings changed on purpose are this run's, and the note says the global batch changed."""
+    t = cfg.trainer
+    before = saved_global_batch(meta)
+    changed = [k for k, _, _ in config_changes(meta["config"], _plain(cfg)) if k in BATCH_KEYS]
+    if changed:
+        accum = grad_accum_steps(cfg, world_size)
+        after = t.micro_batch_size * accum * world_size
+        return accum, (None if after == before else f"global batch {before} -> {after} ({', '.join(changed)} set)")
+    per_step = t.micro_batch_size * world_size
+    if before % per_step:
+        raise ConfigError(f"trainer.resume: the checkpoint trained with a global batch of {before}, which {world_size} "
+                          f"ranks x trainer.micro_batch_size={t.micro_batch_size} = {per_step} does not divide: choose "
+                          f"a world size and trainer.micro_batch_size whose product divides {before} (grad_accum "
+                          "follows), or set trainer.global_batch_size to train on with another global batch")
+    return before // per_step, None
 
 
 def short(value) -> str:

@@ -298,40 +298,62 @@ def data_info(data_cfg) -> DataInfo:
 
 
 class ShardedBatchSampler:
-    """Micro-batches of sample indices for one rank: its own shard, resumable mid-epoch.
+    """Micro-batches of sample indices for one rank: its own shard, resumable mid-epoch, at
+    any world size.
 
-    Each epoch, the indices 0..n-1 are shuffled with a generator seeded by (seed, epoch)
-    — the same permutation on every rank — and trimmed to a multiple of
-    world_size * micro_batch_size; rank r takes positions r, r + world, r + 2 world, ...
-    So across ranks an epoch holds no sample twice, every rank does the same number of
-    steps, and at most world * micro_batch_size - 1 samples are left out per epoch.
+    The global sample order does not depend on the world size: each epoch, the indices 0..n-1
+    are shuffled with a generator seeded by (seed, epoch), the same permutation on every rank,
+    and trimmed to a multiple of the global batch (world_size x micro_batch_size x grad_accum).
+    Micro-step k of every rank together takes the k-th window of world_size x micro_batch_size
+    positions, rank r the positions r, r + world, r + 2 world, ... of it; so optimizer step s
+    consumes positions [s B, (s + 1) B) of the order (B: the global batch), whichever world size
+    and micro-batch size make B up. Across ranks an epoch holds no sample twice, every rank does
+    the same number of steps, and at most B - 1 samples are left out per epoch.
 
-    The position (epoch, micro-batches taken) is all a checkpoint needs to continue
-    with exactly the batches an uninterrupted run would have seen.
+    The position is (epoch, global samples consumed in it): a checkpoint taken after an
+    optimizer step continues, at another world size with the same global batch, with exactly
+    the next global batch an uninterrupted run would have seen.
     """
 
     def __init__(self, num_samples: int, rank: int, world_size: int, micro_batch_size: int, seed: int,
-                 shuffle: bool = True):
+                 shuffle: bool = True, grad_accum: int = 1):
         if num_samples < world_size * micro_batch_size:
             raise ConfigError(f"the data set has {num_samples} samples, fewer than one micro-batch per rank "
                               f"({world_size} ranks x trainer.micro_batch_size={micro_batch_size}): use more data "
                               "or a smaller micro-batch / fewer ranks")
+        if num_samples < world_size * micro_batch_size * grad_accum:
+            raise ConfigError(f"the data set has {num_samples} samples, fewer than one global batch "
+                              f"({world_size} ranks x trainer.micro_batch_size={micro_batch_size} x grad_accum "
+                              f"{grad_accum}): use more data or a smaller batch / fewer ranks")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        self.micro_batch_size, self.seed, self.shuffle = micro_batch_size, seed, shuffle
+        self.micro_batch_size, self.seed, self.shuffle, self.grad_accum = micro_batch_size, seed, shuffle, grad_accum
         self.epoch, self.taken = 0, 0
 
     @property
-    def batches_per_epoch(self) -> int:
-        return self.num_samples // (self.world_size * self.micro_batch_size)
+    def window(self) -> int:
+        """Samples one micro-step of every rank takes together."""
+        return self.world_size * self.micro_batch_size
 
-    def epoch_indices(self, epoch: int) -> list[int]:
-        """This rank's indices for `epoch`, in order."""
+    @property
+    def global_batch(self) -> int:
+        return self.window * self.grad_accum
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per rank and epoch."""
+        return self.num_samples // self.global_batch * self.grad_accum
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The global order of `epoch`: the positions every rank's micro-batches take, in turn."""
         if self.shuffle:
             order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(self.num_samples)
-        used = self.batches_per_epoch * self.world_size * self.micro_batch_size
-        return order[:used][self.rank::self.world_size].tolist()
+        return order[:self.num_samples // self.global_batch * self.global_batch]
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        """This rank's indices for `epoch`, in order."""
+        return self.epoch_order(epoch)[self.rank::self.world_size].tolist()
 
     def __iter__(self):
         """Endless: micro-batches from the current position on, epoch after epoch."""
@@ -344,15 +366,26 @@ class ShardedBatchSampler:
             self.epoch, self.taken = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "taken": self.taken, "num_samples": self.num_samples,
-                "world_size": self.world_size, "micro_batch_size": self.micro_batch_size, "seed": self.seed}
+        return {"epoch": self.epoch, "consumed": self.taken * self.window, "num_samples": self.num_samples,
+                "global_batch": self.global_batch, "seed": self.seed,
+                "world_size": self.world_size, "micro_batch_size": self.micro_batch_size}  # (for the record)
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("num_samples", "world_size", "micro_batch_size", "seed"):
+        """Continue from a position saved at any world size and micro-batch size: with the same
+        global batch, exactly; with another (the trainer says so), from the same global sample."""
+        for key in ("num_samples", "seed"):
             if state[key] != getattr(self, key):
                 raise ConfigError(f"the checkpoint's data position was saved with {key}={state[key]}, this run has "
-                                  f"{getattr(self, key)}: resume with the same data and batch settings")
-        self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
+                                  f"{getattr(self, key)}: resume with the same data and trainer.seed")
+        # Written before positions were counted in samples: micro-batches of that world's window.
+        consumed = int(state["consumed"]) if "consumed" in state else \
+            int(state["taken"]) * int(state["world_size"]) * int(state["micro_batch_size"])
+        if consumed % self.window:
+            raise ConfigError(f"the checkpoint's data position ({consumed} samples into epoch {state['epoch']}) is "
+                              f"not a whole number of this run's micro-steps ({self.world_size} ranks x "
+                              f"trainer.micro_batch_size={self.micro_batch_size}): choose a micro-batch size and "
+                              f"world size whose product divides {consumed}")
+        self.epoch, self.taken = int(state["epoch"]), consumed // self.window
 
 
 def collate(dataset: Dataset, indices: list[int]):

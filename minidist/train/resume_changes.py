@@ -18,13 +18,9 @@ FIXED = {
     "model.": "the model the checkpoint holds",
     "data.": "the data stream the checkpoint's position counts in",
     "trainer.seed": "the per-rank random streams the checkpoint continues",
-    "trainer.micro_batch_size": "the batch the data position counts in",
-    "trainer.grad_accum": "the batch the data position counts in",
-    "trainer.global_batch_size": "the batch the data position counts in",
     "trainer.precision": "the loss scaler's state and the numbers the checkpoint was trained in",
     "optim._target_": "the optimizer whose state the checkpoint holds",
     "optim.amsgrad": "the optimizer state's layout",
-    "strategy.name": "the strategy that wrote the checkpoint",
 }
 # Where to resume from, and which local ranks and port: no part of how training goes.
 NOT_SETTINGS = ("trainer.resume", "launcher.")

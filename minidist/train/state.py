@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -39,22 +39,30 @@ class TrainingData:
     info: object                   # data.DataInfo: kind (text / image), vocabulary or classes
     sampler: ShardedBatchSampler   # this rank's micro-batches, resumable
     block_size: int                # tokens per sample (1 for images)
+    last_ids: list = field(default_factory=list)  # the sample ids of the last micro_batches() call
 
     def micro_batches(self, batches, count: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The next `count` micro-batches of the sampler's iterator `batches`, as (x, y) on `device`."""
-        out = []
+        """The next `count` micro-batches of the sampler's iterator `batches`, as (x, y) on `device`;
+        their sample ids stay in `last_ids` (trainer.log_samples writes them)."""
+        out, self.last_ids = [], []
         for _ in range(count):
-            x, y = collate(self.train_set, next(batches))
+            ids = next(batches)
+            self.last_ids += ids
+            x, y = collate(self.train_set, ids)
             out.append((to_device(x, device), to_device(y, device)))
         return out
 
 
-def build_data(cfg, ctx) -> TrainingData:
-    """The data sets and this rank's sampler (seeded by trainer.seed, so every rank shuffles alike)."""
+def build_data(cfg, ctx, grad_accum: int | None = None) -> TrainingData:
+    """The data sets and this rank's sampler (seeded by trainer.seed, so every rank shuffles alike;
+    its epochs trimmed to whole global batches of `grad_accum` micro-steps, default the config's)."""
+    from minidist.train.config_check import grad_accum_steps
+
     t = cfg.trainer
     block_size = int(cfg.model.get("block_size", 0)) or 1
     train_set, val_set, info = build_datasets(cfg.data, block_size)
-    sampler = ShardedBatchSampler(len(train_set), ctx.rank, ctx.world_size, int(t.micro_batch_size), seed=int(t.seed))
+    sampler = ShardedBatchSampler(len(train_set), ctx.rank, ctx.world_size, int(t.micro_batch_size), seed=int(t.seed),
+                                  grad_accum=grad_accum or grad_accum_steps(cfg, ctx.world_size))
     return TrainingData(train_set, val_set, info, sampler, block_size)
 
 

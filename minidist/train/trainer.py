@@ -31,10 +31,10 @@ import minidist
 from minidist import comm
 from minidist.profiling.timeline import settle
 from minidist.timing import Span, clock_name, to_host
-from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, read_meta, remove_partial_saves, save_checkpoint
 from minidist.train.checkpoint_layouts import layout_for
 from minidist.train.cross_host import HostTraffic, cross_host_sent
-from minidist.train.config_check import grad_accum_steps
+from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
 from minidist.train.device_setup import configure_device, to_device
 from minidist.train.failure_report import write_record
@@ -95,14 +95,16 @@ class Trainer:
         self.cfg, self.run_dir = cfg, Path(run_dir)
         t = cfg.trainer
         self.ctx = ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=cfg.launcher.timeout_s)
-        self.grad_accum = grad_accum_steps(cfg, ctx.world_size)
+        self.grad_accum, self.batch_note = grad_accum_steps(cfg, ctx.world_size), None
+        if resume_from is not None:  # the checkpoint's global batch, kept at this world size
+            self.grad_accum, self.batch_note = grad_accum_on_resume(cfg, read_meta(resume_from), ctx.world_size)
         configure_device(ctx.device, bool(t.tf32))
         self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
         self.log = RunLog(cfg, self.run_dir, ctx)
 
         # Same initial weights on every rank (the strategies also broadcast rank 0's), built as the
         # comparison builds them (state.py).
-        self.data = build_data(cfg, ctx)
+        self.data = build_data(cfg, ctx, self.grad_accum)
         self.train_set, self.val_set, self.info, self.sampler = (self.data.train_set, self.data.val_set,
                                                                  self.data.info, self.data.sampler)
         self.is_text = self.info.kind == "text"
@@ -139,6 +141,10 @@ class Trainer:
                 self.log.info(f"removed {name}, left by a checkpoint save that did not finish")
         if resume_from is not None:
             self._resume(Path(resume_from))
+        self.samples_log = None
+        if t.get("log_samples"):  # appended to: a resumed run continues the same files
+            (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
+            self.samples_log = open(self.run_dir / "samples" / f"rank_{ctx.rank}.txt", "a", buffering=1)
         self.log.info(f"{self.strategy.name}: {cfg.model.name} ({self.n_params / 1e6:.2f}M parameters) on "
                       f"{cfg.data.name} ({len(self.train_set):,} training samples), {ctx.world_size} rank(s), "
                       f"{ctx.backend}, global batch {self.global_batch} = {t.micro_batch_size} x {self.grad_accum} x "
@@ -163,6 +169,8 @@ class Trainer:
                 loss_fn = lambda out, y: self.state.loss(out, y) * float("nan")  # noqa: E731
             loss_sum, grad_norm = self.state.step(micro_batches, loss_fn)
             span.stop()
+        if self.samples_log is not None:  # trainer.log_samples: the step, then the ids this rank consumed
+            self.samples_log.write(f"{self.step + 1} {' '.join(map(str, self.data.last_ids))}\n")
         traced = self.strategy.traces_comm
         return StepRecord(loss_sum, grad_norm.detach().float(), span, data_s, tracer if traced else None,
                           tracer.total_sent_bytes if traced else None,
@@ -243,10 +251,16 @@ class Trainer:
         self.sampler.load_state_dict(meta["data"])
         self.step = int(meta["step"])
         self.saved = self.step, ckpt
+        converted = (meta["strategy"], meta["world_size"]) != (self.strategy.name, self.ctx.world_size)
+        if meta["world_size"] != self.ctx.world_size:  # not the same ranks: fresh per-rank streams, reproducibly
+            reseed_per_rank(int(self.cfg.trainer.seed) + 1_000_003 * self.step, self.ctx.rank)
         changes = config_changes(meta["config"], OmegaConf.to_container(self.cfg, resolve=True))
         if schedule_changed(changes):
             self._follow_optim_config()
-        self.log.info(f"resumed from {ckpt} at step {self.step}" +
+        self.log.info((f"resumed step {self.step} of {meta['strategy']} at {meta['world_size']} ranks as "
+                       f"{self.strategy.name} at {self.ctx.world_size} ranks (from {ckpt})" if converted else
+                       f"resumed from {ckpt} at step {self.step}") +
+                      (f"; {self.batch_note}" if self.batch_note else "") +
                       (f"; settings changed since: {describe(changes)} (applied)" if changes else ""))
 
     def _follow_optim_config(self) -> None:
@@ -451,4 +465,6 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "samples_log", None) is not None:
+            self.samples_log.close()
         self.log.close()

@@ -117,6 +117,17 @@ class Strategy:
     def load_full_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state)
 
+    def load_portable(self, model_state: dict, optim_state: dict) -> None:
+        """Load a checkpoint of another strategy or world size, in its portable form: the plain
+        state_dict, and the optimizer's state keyed by parameter name (checkpoint_layouts.py).
+        Here it is numbered as this strategy's optimizer numbers its parameters."""
+        self.load_full_state_dict(model_state)
+        self.load_optimizer_state_dict(numbered(optim_state, self.net, self.numbered_parameters()))
+
+    def numbered_parameters(self) -> list[list[nn.Parameter]]:
+        """The parameters, group by group, in the order optimizer_state_dict numbers them."""
+        return [list(g["params"]) for g in self.optimizer.param_groups]
+
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state on this rank, from live storages."""
         params = [local_tensor(p) for p in self.net.parameters()]
@@ -125,6 +136,26 @@ class Strategy:
             "gradients": [local_tensor(p.grad) for p in self.net.parameters() if p.grad is not None],
             "optimizer_state": [local_tensor(t) for t in optimizer_tensors(getattr(self.optimizer, "optim", self.optimizer))],
         })
+
+
+def numbered(optim_state: dict, net: nn.Module, groups_of_params: list[list[nn.Parameter]]) -> dict:
+    """A name-keyed optimizer state (torch.distributed.checkpoint's full form) numbered as an
+    optimizer over `groups_of_params` numbers them: the form torch's Optimizer.load_state_dict takes."""
+    name_of = {id(p): n for n, p in net.named_parameters()}
+    index, groups = 0, []
+    state = {}
+    if len(groups_of_params) != len(optim_state["param_groups"]):
+        raise ValueError(f"the checkpoint's optimizer has {len(optim_state['param_groups'])} param groups, this "
+                         f"one {len(groups_of_params)}")
+    for params, saved in zip(groups_of_params, optim_state["param_groups"]):
+        ids = []
+        for p in params:
+            if name_of[id(p)] in optim_state["state"]:
+                state[index] = optim_state["state"][name_of[id(p)]]
+            ids.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved.items() if k not in ("params", "param_names")}, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, norm: torch.Tensor) -> None:

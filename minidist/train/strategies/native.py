@@ -130,6 +130,11 @@ class NativeFSDP(Strategy):
 
         set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
+    def load_portable(self, model_state, optim_state):
+        """The portable form is torch.distributed.checkpoint's full one: loaded as it is."""
+        self.load_full_state_dict(model_state)
+        self.load_optimizer_state_dict(optim_state)
+
 
 class NativeHSDP(NativeFSDP):
     """fully_shard on a 2-D DeviceMesh (replicate x shard): FSDP2's HSDP, the reference for hsdp3."""

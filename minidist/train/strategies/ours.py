@@ -111,7 +111,14 @@ class OursZero(Strategy):
         return self.model.full_state_dict(rank0_only=True)
 
     def load_full_state_dict(self, state):
-        raise NotImplementedError("ZeRO checkpoints are sharded: see checkpoint_layouts.Sharded")
+        self.model.load_full_state_dict(state)
+
+    def load_optimizer_state_dict(self, state):
+        self.model.load_full_optim_state_dict(state)
+
+    def numbered_parameters(self):
+        """As a native optimizer over the module numbers them (full_optim_state_dict's form)."""
+        return self.model.full_param_groups
 
     # -- what checkpoint_layouts.Sharded saves and loads
     def sharded_state_dict(self) -> dict:
