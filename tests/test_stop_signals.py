@@ -130,11 +130,14 @@ def stopped_line(err: str, name: str, run_dir: Path) -> int:
     return step
 
 
-def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+@pytest.mark.parametrize("checkpoints", ["sync", pytest.param("async", marks=pytest.mark.slow(
+    stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step[sync]"))])
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, checkpoints):
     """SIGUSR1 (SLURM's warning) to rank 1 alone: both ranks agree, the step is checkpointed, the
-    launcher exits 138 with rank 0's one line, and no rank is left."""
+    launcher exits 138 with rank 0's one line, and no rank is left. With background checkpoints,
+    the stop waits for the write in flight and commits the stop's own before the line."""
     run_dir = tmp_path / "run"
-    proc = start(run_dir)
+    proc = start(run_dir, *(["trainer.checkpoint_async=true", "trainer.ckpt_every=7"] if checkpoints == "async" else []))
     wait_for_step(run_dir, 20, proc)
     ranks = rank_processes(proc.pid)
     assert len(ranks) == 2

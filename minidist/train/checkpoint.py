@@ -35,10 +35,10 @@ import torch
 
 from minidist import comm
 from minidist.dist import get_logger
-from minidist.train.checkpoint_layouts import layout_for, layout_of
+from minidist.train.checkpoint_layouts import layout_for, layout_of, write_files
 from minidist.train.errors import ConfigError
 from minidist.train.manifest import NAME as MANIFEST, write_manifest
-from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
+from minidist.train.safe_load import load_tensors, verify_checkpoint_files
 
 FORMAT = "minidist.train.v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -152,22 +152,17 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     `before_commit()` runs on each rank once its files are written, before the rename (fault
     injection: debug.kill_during=save). A write that fails on any rank raises
     CheckpointWriteFailed on every rank, with the partial folder removed and the previous
-    checkpoints untouched."""
-    root = Path(run_dir) / "checkpoints"
-    final = root / step_dir_name(step)
-    tmp = root / f".{final.name}.tmp"
-    rank = strategy.ctx.rank
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_partial_saves(run_dir)
-        tmp.mkdir()
-    comm.barrier()
+    checkpoints untouched. (async_checkpoint.py runs the same three phases, the middle one in
+    the background.)"""
+    tmp = begin_save(run_dir, step, strategy)
     error = None
     try:
-        layout_for(strategy).save(strategy, tmp)
-        save_tensors(rank_state(strategy.net), rank_path(tmp, rank))
-        if rank == 0:
-            save_tensors({"format": FORMAT, "step": step, **meta}, tmp / "meta.pt")
+        layout = layout_for(strategy)
+        if layout.collect is None:  # DeepSpeed's engine writes its own files
+            layout.save(strategy, tmp)
+            write_files(tmp, own_files(strategy, step, meta, {}))
+        else:
+            write_files(tmp, collect_files(strategy, step, meta))
         sync_to_disk(tmp)  # on disk, on every host, before the rename makes them a checkpoint
     except Exception as e:  # noqa: BLE001 - a write error is agreed on below; anything else re-raised
         if not _write_error(e):
@@ -175,6 +170,43 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         error = e
     if before_commit is not None:
         before_commit()
+    return commit_save(run_dir, step, strategy, error, keep_last)
+
+
+def begin_save(run_dir: Path, step: int, strategy) -> Path:
+    """Rank 0 makes the checkpoint's `.tmp` folder (removing what an unfinished save left); every
+    rank waits for it. A collective. Returns the folder."""
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".{step_dir_name(step)}.tmp"
+    if strategy.ctx.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        remove_partial_saves(run_dir)
+        tmp.mkdir()
+    comm.barrier()
+    return tmp
+
+
+def collect_files(strategy, step: int, meta: dict) -> dict[str, object]:
+    """Every file this rank writes for the checkpoint of `step`, not yet written: the layout's
+    (the collectives happen here), its own state and, on rank 0, the meta."""
+    return own_files(strategy, step, meta, layout_for(strategy).collect(strategy))
+
+
+def own_files(strategy, step: int, meta: dict, files: dict) -> dict[str, object]:
+    files = {**files, rank_path(Path(), strategy.ctx.rank).name: rank_state(strategy.net)}
+    if strategy.ctx.rank == 0:
+        files["meta.pt"] = {"format": FORMAT, "step": step, **meta}
+    return files
+
+
+def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None, keep_last: int) -> Path:
+    """Once every rank has written (and fsynced) its files, or failed to: agree; rank 0 writes the
+    manifest and renames the folder; the oldest checkpoints beyond `keep_last` go. A collective.
+    A failure anywhere raises CheckpointWriteFailed on every rank, the partial folder removed."""
+    root = Path(run_dir) / "checkpoints"
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp"
+    rank = strategy.ctx.rank
     if not _any_rank(error is not None) and rank == 0:  # every rank's files are written
         try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
             write_manifest(tmp)

@@ -46,16 +46,28 @@ def state_dict_layout(net: torch.nn.Module) -> dict:
     return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}
 
 
-class Full:
+def write_files(directory: Path, files: dict[str, object]) -> None:
+    """What a layout's collect() gave, into `directory` (no communication: a background writer may)."""
+    for name, payload in files.items():
+        save_tensors(payload, Path(directory) / name)
+
+
+class Collected:
+    """Layouts whose state is collected first (the collectives), then written by anyone."""
+
+    def save(self, strategy, directory: Path) -> None:
+        write_files(directory, self.collect(strategy))
+
+
+class Full(Collected):
     """The plain state_dict and the optimizer's, as one process holds them."""
 
     name = "full"
 
-    def save(self, strategy, directory: Path) -> None:
-        model, optim = strategy.full_state_dict(), strategy.optimizer_state_dict()  # collectives
-        if strategy.ctx.rank == 0:
-            save_tensors(model, directory / MODEL)
-            save_tensors(optim, directory / OPTIMIZER)
+    def collect(self, strategy) -> dict[str, object]:
+        """This rank's files: {name in the folder: what it holds}. The collectives happen here."""
+        model, optim = strategy.full_state_dict(), strategy.optimizer_state_dict()
+        return {MODEL: model, OPTIMIZER: optim} if strategy.ctx.rank == 0 else {}
 
     def load(self, strategy, directory: Path, meta: dict) -> None:
         device = strategy.ctx.device
@@ -81,7 +93,7 @@ class Full:
         return f"a full state_dict ({MODEL}, {OPTIMIZER})"
 
 
-class Sharded:
+class Sharded(Collected):
     """One file per rank of a shard group, pieces with offsets: loadable at any shard count."""
 
     name = "sharded"
@@ -90,12 +102,14 @@ class Sharded:
     def shards(meta: dict) -> int:
         return int(meta.get("shards", meta["world_size"]))
 
-    def save(self, strategy, directory: Path) -> None:
+    def collect(self, strategy) -> dict[str, object]:
         state = strategy.sharded_state_dict()  # a collective within the shard group: every rank calls it
+        files = {}
         if strategy.writes_shard:  # one copy of each shard, whatever the number of replicas
-            save_tensors(state, shard_path(directory, state["rank"]))
+            files[shard_path(Path(), state["rank"]).name] = state
         if strategy.ctx.rank == 0:
-            save_tensors(state_dict_layout(strategy.net), directory / LAYOUT)
+            files[LAYOUT] = state_dict_layout(strategy.net)
+        return files
 
     def load(self, strategy, directory: Path, meta: dict) -> None:
         saved = self.shards(meta)
@@ -147,6 +161,8 @@ class DeepSpeedLayout:
     """DeepSpeed's engine writes and reads its own folder; our model.pt beside it consolidates."""
 
     name = "deepspeed"
+
+    collect = None  # DeepSpeed's engine writes its own files (and communicates while it does): save only
 
     def save(self, strategy, directory: Path) -> None:
         model = strategy.full_state_dict()  # a collective at stage 3

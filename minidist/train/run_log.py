@@ -138,6 +138,9 @@ def format_summary(s: dict, run_dir: Path) -> str:
         rows.append(("step time", f"{s['time/step_s'] * 1e3:.1f} ms ({split} ms{clock})"))
     if "comm/bytes_per_step" in s:
         rows.append(("communication", f"{_bytes(s['comm/bytes_per_step'])} sent per step and rank"))
+    if s.get("checkpoint/write_s"):
+        rows.append(("checkpointing", f"{s['checkpoint/blocked_s']:.2f} s of training blocked, "
+                                      f"{s['checkpoint/write_s']:.2f} s writing"))
     rows.append(("memory (rank 0)", f"model state {_bytes(s['memory/model_state_bytes'])}, "
                                     f"peak {_bytes(s['memory/peak_bytes'])}"))
     rows += [("run directory", str(run_dir)), ("checkpoints", str(run_dir / "checkpoints")),

@@ -32,6 +32,7 @@ from minidist import comm
 from minidist.profiling.timeline import settle
 from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, read_meta, remove_partial_saves, save_checkpoint
+from minidist.train.async_checkpoint import AsyncCheckpoints
 from minidist.train.checkpoint_layouts import layout_for
 from minidist.train.cross_host import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
@@ -141,6 +142,14 @@ class Trainer:
                 self.log.info(f"removed {name}, left by a checkpoint save that did not finish")
         if resume_from is not None:
             self._resume(Path(resume_from))
+        self.checkpoints = None  # trainer.checkpoint_async: the background writer (async_checkpoint.py)
+        self.ckpt_time = {"blocked_s": 0.0, "write_s": 0.0}  # the synchronous path's, or the writer's
+        if t.get("checkpoint_async"):
+            if layout_for(self.strategy).collect is None:
+                self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s engine writes its own checkpoints, "
+                              "communicating as it does: they stay synchronous")
+            else:
+                self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy, int(t.keep_last))
         self.samples_log = None
         if t.get("log_samples"):  # appended to: a resumed run continues the same files
             (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
@@ -237,12 +246,27 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.sampler.state_dict(),
                 "shards": self.strategy.checkpoint_shards}  # files of a sharded one
-        path = save_checkpoint(self.run_dir, self.step, self.strategy, meta, int(self.cfg.trainer.keep_last),
-                               before_commit=lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step,
-                                                                            during="save"))
-        self.log.info(f"step {self.step}: checkpoint {path}")
-        self.saved = self.step, path
+        step = self.step
+        kill = lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, step, during="save")  # noqa: E731
+        if self.checkpoints is not None:
+            path = self.checkpoints.save(step, meta, before_commit=kill)
+            self.log.info(f"step {step}: checkpoint {path} (written in the background)")
+            return path
+        start = time.perf_counter()
+        path = save_checkpoint(self.run_dir, step, self.strategy, meta, int(self.cfg.trainer.keep_last),
+                               before_commit=kill)
+        spent = time.perf_counter() - start
+        self.ckpt_time = {"blocked_s": self.ckpt_time["blocked_s"] + spent, "write_s": self.ckpt_time["write_s"] + spent}
+        self.log.info(f"step {step}: checkpoint {path}")
+        self.saved = step, path
         return path
+
+    def _committed(self, path: Path | None) -> None:
+        """A background write committed: it is the checkpoint a stop or resume names now."""
+        if path is not None:
+            self.saved = int(path.name.split("_")[1]), path
+            self.log.info(f"checkpoint {path} committed")
+            self.ckpt_time = {"blocked_s": self.checkpoints.blocked_s, "write_s": self.checkpoints.write_s}
 
     def _resume(self, ckpt: Path) -> None:
         meta = load_checkpoint(ckpt, self.strategy)
@@ -301,6 +325,9 @@ class Trainer:
             if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m.cross_host)
             self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
+            if self.checkpoints is not None:  # a write every rank has finished: committed now
+                with self._collectives_named([], self.step):
+                    self._committed(self.checkpoints.poll())
             history.append(m)
             unchecked.append((self.step, m.grad_norm))
             log_now = self.step % t.log_every == 0 or self.step == end
@@ -322,10 +349,15 @@ class Trainer:
             if save_now:
                 self.save()
         self.log.stop_progress()
+        if self.checkpoints is not None:  # training is over: the last write's wait blocks nothing
+            blocked = self.checkpoints.blocked_s
+            self._committed(self.checkpoints.wait())
+            self.ckpt_time["blocked_s"] = blocked
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps,
-                   "parameters": self.n_params}
+                   "parameters": self.n_params, "checkpoint/blocked_s": self.ckpt_time["blocked_s"],
+                   "checkpoint/write_s": self.ckpt_time["write_s"]}
         if self.scaler.is_enabled():
             summary["loss_scale"] = float(self.scaler.get_scale())  # fp16: where the overflows left it
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
@@ -349,10 +381,14 @@ class Trainer:
         has one already), say so in one line, and end the run as stopped."""
         self.log.stop_progress()
         name = signal_name(signum)
+        if self.checkpoints is not None:  # the write in flight, finished first
+            self._committed(self.checkpoints.wait())
         if self.saved is not None and self.saved[0] == self.step:
             path = self.saved[1]
         elif self.step > 0:
             path = self.save()
+            if self.checkpoints is not None:
+                self._committed(path := self.checkpoints.wait())
         else:
             path = None
         again = ("resume with the same command" if str(self.cfg.trainer.resume) == "auto" else
