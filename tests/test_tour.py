@@ -34,6 +34,7 @@ def test_tour_verifies_every_step(how, nproc):
         assert title in out
 
 
+@pytest.mark.slow(stand_in="test_tour_verifies_every_step[python-2]")  # the same tour, 2 ranks
 def test_one_rank_runs_the_collectives_and_says_what_it_skipped():
     proc = run([sys.executable, "recipes/tour.py", "nproc=1"], timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
