@@ -1,9 +1,9 @@
 """Checkpoints that do not stop training (trainer.checkpoint_async=true).
 
-    checkpoints = AsyncCheckpoints(run_dir, strategy, keep_last, group)
+    checkpoints = AsyncCheckpoints(run_dir, strategy, keep_last)
     checkpoints.save(step, meta)      # at a checkpoint step: collect, copy aside, write in the background
     checkpoints.poll()                # after every step, on every rank: commit once every rank has written
-    checkpoints.wait()                # the end of the run, a stop: the write in flight, finished and committed
+    checkpoints.wait()                # a stop, the end of the run: the write in flight, finished and committed
 
 A save runs the three phases of checkpoint.save_checkpoint. The first stays in the training
 thread, as it communicates: the `.tmp` folder is made, the layout collects this rank's state
@@ -36,7 +36,8 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from minidist import comm
-from minidist.train.checkpoint import _write_error, begin_save, collect_files, commit_save, sync_to_disk
+from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_folders, collect_files, commit_save,
+                                       sync_to_disk)
 from minidist.train.checkpoint_layouts import write_files
 
 
@@ -51,18 +52,13 @@ def copied_aside(files: dict, pinned: bool) -> dict:
 class AsyncCheckpoints:
     """One checkpoint write at a time in a background thread; see the module docstring."""
 
-    def __init__(self, run_dir: Path, strategy, keep_last: int, group=None):
-        self.run_dir, self.strategy, self.keep_last, self.group = Path(run_dir), strategy, keep_last, group
-        self.blocked_s = 0.0   # time spent in save / poll / wait (the trainer leaves out the end of the run's)
+    def __init__(self, run_dir: Path, strategy, keep_last: int):
+        self.run_dir, self.strategy, self.keep_last = Path(run_dir), strategy, keep_last
+        self.blocked_s = 0.0   # training time spent in save / poll / wait (the end of the run's wait: none)
         self.write_s = 0.0     # the background writer's time
         self._step: int | None = None   # the step whose write is in flight
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-
-    @property
-    def in_flight(self) -> int | None:
-        """The step whose checkpoint is being written, or None."""
-        return self._step
 
     def save(self, step: int, meta: dict, before_commit: Callable[[], None] | None = None) -> Path:
         """Start the checkpoint of `step` (after finishing the one in flight). A collective.
@@ -76,7 +72,7 @@ class AsyncCheckpoints:
                                         name=f"minidist-checkpoint-{step}", daemon=True)
         self._thread.start()
         self.blocked_s += time.perf_counter() - start
-        return tmp.parent / tmp.name[1:-len(".tmp")]
+        return checkpoint_folders(self.run_dir, step)[0]
 
     def _write(self, tmp: Path, files: dict, before_commit) -> None:
         start = time.perf_counter()
@@ -90,22 +86,23 @@ class AsyncCheckpoints:
         finally:
             self.write_s += time.perf_counter() - start
 
-    def poll(self) -> Path | None:
-        """After a step, on every rank: commit the write in flight if every rank's is done (its
-        folder returned), else nothing. One 8-byte all_reduce while a write is in flight."""
+    def poll(self) -> tuple[int, Path] | None:
+        """After a step, on every rank: commit the write in flight if every rank's is done ((its
+        step, its folder) returned), else nothing. One 8-byte all_reduce while a write is in flight."""
         if self._step is None:
             return None
         start = time.perf_counter()
         busy = 1.0 if self._thread.is_alive() else 0.0
         try:
-            if comm.max_over_ranks(busy, group=self.group) > 0:
+            if comm.max_over_ranks(busy) > 0:
                 return None
             return self._commit()
         finally:
             self.blocked_s += time.perf_counter() - start
 
-    def wait(self) -> Path | None:
-        """Finish and commit the write in flight (None if there is none). A collective."""
+    def wait(self, training: bool = True) -> tuple[int, Path] | None:
+        """Finish and commit the write in flight ((its step, its folder); None if there is none).
+        A collective. `training=False` (the end of the run): the wait blocks no training."""
         if self._step is None:
             return None
         start = time.perf_counter()
@@ -113,11 +110,12 @@ class AsyncCheckpoints:
             self._thread.join()
             return self._commit()
         finally:
-            self.blocked_s += time.perf_counter() - start
+            if training:
+                self.blocked_s += time.perf_counter() - start
 
-    def _commit(self) -> Path:
+    def _commit(self) -> tuple[int, Path]:
         step, error = self._step, self._error
         self._step = self._thread = self._error = None
         if error is not None and not _write_error(error):
             raise error
-        return commit_save(self.run_dir, step, self.strategy, error, self.keep_last)
+        return step, commit_save(self.run_dir, step, self.strategy, error, self.keep_last)

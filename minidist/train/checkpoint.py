@@ -48,6 +48,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoint_folders(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """(the checkpoint of `step`, the `.tmp` folder it is written in until the rename)."""
+    final = Path(run_dir) / "checkpoints" / step_dir_name(step)
+    return final, final.with_name(f".{final.name}.tmp")
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints under run_dir/checkpoints, oldest first."""
     root = Path(run_dir) / "checkpoints"
@@ -176,10 +182,9 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
 def begin_save(run_dir: Path, step: int, strategy) -> Path:
     """Rank 0 makes the checkpoint's `.tmp` folder (removing what an unfinished save left); every
     rank waits for it. A collective. Returns the folder."""
-    root = Path(run_dir) / "checkpoints"
-    tmp = root / f".{step_dir_name(step)}.tmp"
+    _, tmp = checkpoint_folders(run_dir, step)
     if strategy.ctx.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         remove_partial_saves(run_dir)
         tmp.mkdir()
     comm.barrier()
@@ -203,10 +208,8 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
     """Once every rank has written (and fsynced) its files, or failed to: agree; rank 0 writes the
     manifest and renames the folder; the oldest checkpoints beyond `keep_last` go. A collective.
     A failure anywhere raises CheckpointWriteFailed on every rank, the partial folder removed."""
-    root = Path(run_dir) / "checkpoints"
-    final = root / step_dir_name(step)
-    tmp = root / f".{final.name}.tmp"
-    rank = strategy.ctx.rank
+    final, tmp = checkpoint_folders(run_dir, step)
+    root, rank = final.parent, strategy.ctx.rank
     if not _any_rank(error is not None) and rank == 0:  # every rank's files are written
         try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
             write_manifest(tmp)

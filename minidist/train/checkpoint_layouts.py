@@ -116,7 +116,7 @@ class Sharded(Collected):
         if saved == strategy.checkpoint_shards:
             state = load_tensors(shard_path(directory, strategy.shard_rank))
         else:  # another shard count (world size or mesh): every saved shard, re-cut for this one
-            state = [load_tensors(shard_path(directory, r)) for r in range(saved)]
+            state = self.all_shards(directory, meta)
         strategy.load_sharded_state_dict(state)
 
     def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
@@ -126,8 +126,12 @@ class Sharded(Collected):
         by_param = {name: tuple(shape) for name, shape in shard["shapes"].items()}
         return {key: by_param[name] for key, name in layout["params"].items() if name in by_param}
 
-    def consolidate(self, ckpt: Path, meta: dict) -> dict:
-        shards = [load_tensors(shard_path(ckpt, r)) for r in range(self.shards(meta))]
+    def all_shards(self, ckpt: Path, meta: dict) -> list[dict]:
+        return [load_tensors(shard_path(ckpt, r)) for r in range(self.shards(meta))]
+
+    def consolidate(self, ckpt: Path, meta: dict, shards: list[dict] | None = None) -> dict:
+        """`shards`: every shard file, where the caller has read them already."""
+        shards = self.all_shards(ckpt, meta) if shards is None else shards
         params = full_parameters(shards, where=str(ckpt))
         layout = load_tensors(ckpt / LAYOUT)
         # In the module's own key order; a tied weight appears under each of its keys; frozen
@@ -136,7 +140,7 @@ class Sharded(Collected):
                 else shards[0]["replicated"][key] for key in layout["order"]}
 
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
-        shards = [load_tensors(shard_path(ckpt, r)) for r in range(self.shards(meta))]
+        shards = self.all_shards(ckpt, meta)
         shapes = shards[0]["shapes"]
         state = {name: {} for name in shapes}
         for key in shards[0]["optim"]:
@@ -151,7 +155,8 @@ class Sharded(Collected):
         groups = shards[0]["param_groups"]
         if len(groups) != 1:
             raise ValueError(f"{ckpt}: {len(groups)} param groups; resuming in another layout takes one")
-        return self.consolidate(ckpt, meta), {"state": state, "param_groups": [{**groups[0], "params": list(shapes)}]}
+        return self.consolidate(ckpt, meta, shards), {"state": state,
+                                                      "param_groups": [{**groups[0], "params": list(shapes)}]}
 
     def describe(self, meta: dict) -> str:
         return f"sharded: {self.shards(meta)} shard file(s)"

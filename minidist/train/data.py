@@ -349,7 +349,7 @@ class ShardedBatchSampler:
             order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
         else:
             order = torch.arange(self.num_samples)
-        return order[:self.num_samples // self.global_batch * self.global_batch]
+        return order[:self.batches_per_epoch * self.window]
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """This rank's indices for `epoch`, in order."""

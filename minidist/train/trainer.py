@@ -143,7 +143,7 @@ class Trainer:
         if resume_from is not None:
             self._resume(Path(resume_from))
         self.checkpoints = None  # trainer.checkpoint_async: the background writer (async_checkpoint.py)
-        self.ckpt_time = {"blocked_s": 0.0, "write_s": 0.0}  # the synchronous path's, or the writer's
+        self.sync_save_s = 0.0  # the synchronous saves' time: training blocked, all of it writing
         if t.get("checkpoint_async"):
             if layout_for(self.strategy).collect is None:
                 self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s engine writes its own checkpoints, "
@@ -255,18 +255,23 @@ class Trainer:
         start = time.perf_counter()
         path = save_checkpoint(self.run_dir, step, self.strategy, meta, int(self.cfg.trainer.keep_last),
                                before_commit=kill)
-        spent = time.perf_counter() - start
-        self.ckpt_time = {"blocked_s": self.ckpt_time["blocked_s"] + spent, "write_s": self.ckpt_time["write_s"] + spent}
+        self.sync_save_s += time.perf_counter() - start
         self.log.info(f"step {step}: checkpoint {path}")
         self.saved = step, path
         return path
 
-    def _committed(self, path: Path | None) -> None:
-        """A background write committed: it is the checkpoint a stop or resume names now."""
-        if path is not None:
-            self.saved = int(path.name.split("_")[1]), path
-            self.log.info(f"checkpoint {path} committed")
-            self.ckpt_time = {"blocked_s": self.checkpoints.blocked_s, "write_s": self.checkpoints.write_s}
+    def _committed(self, saved: tuple[int, Path] | None) -> Path | None:
+        """A background write committed ((step, folder)): the checkpoint a stop or resume names now."""
+        if saved is not None:
+            self.saved = saved
+            self.log.info(f"checkpoint {saved[1]} committed")
+        return saved[1] if saved is not None else None
+
+    def _checkpoint_times(self) -> dict:
+        """checkpoint/blocked_s (training time checkpoints took) and checkpoint/write_s (writing)."""
+        if self.checkpoints is None:
+            return {"checkpoint/blocked_s": self.sync_save_s, "checkpoint/write_s": self.sync_save_s}
+        return {"checkpoint/blocked_s": self.checkpoints.blocked_s, "checkpoint/write_s": self.checkpoints.write_s}
 
     def _resume(self, ckpt: Path) -> None:
         meta = load_checkpoint(ckpt, self.strategy)
@@ -350,14 +355,11 @@ class Trainer:
                 self.save()
         self.log.stop_progress()
         if self.checkpoints is not None:  # training is over: the last write's wait blocks nothing
-            blocked = self.checkpoints.blocked_s
-            self._committed(self.checkpoints.wait())
-            self.ckpt_time["blocked_s"] = blocked
+            self._committed(self.checkpoints.wait(training=False))
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps,
-                   "parameters": self.n_params, "checkpoint/blocked_s": self.ckpt_time["blocked_s"],
-                   "checkpoint/write_s": self.ckpt_time["write_s"]}
+                   "parameters": self.n_params, **self._checkpoint_times()}
         if self.scaler.is_enabled():
             summary["loss_scale"] = float(self.scaler.get_scale())  # fp16: where the overflows left it
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
@@ -388,7 +390,7 @@ class Trainer:
         elif self.step > 0:
             path = self.save()
             if self.checkpoints is not None:
-                self._committed(path := self.checkpoints.wait())
+                path = self._committed(self.checkpoints.wait())
         else:
             path = None
         again = ("resume with the same command" if str(self.cfg.trainer.resume) == "auto" else
