@@ -8,8 +8,12 @@ import os
 import subprocess
 
 import pytest
+import torch
 
+from minidist.train.async_checkpoint import copied_aside
 from minidist.train.checkpoint import list_checkpoints
+from minidist.train.manifest import describe_files, file_digest
+from minidist.train.safe_load import save_tensors
 from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny, tiny_overrides, train_on_rank
 
 ASYNC = ("trainer.checkpoint_async=true", "trainer.ckpt_every=5", "trainer.keep_last=10")
@@ -55,3 +59,35 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "removed .step_00000010.tmp" in log and f"resumed from {run_dir / 'checkpoints' / 'step_00000005'}" in log
     assert [c.name for c in list_checkpoints(run_dir)][-1] == "step_00000020"
+
+
+def test_the_copies_aside_are_reused_by_the_next_checkpoint_of_the_same_shapes():
+    live = {"model.pt": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "meta.pt": {"step": 5}}
+    first = copied_aside(live, pinned=False)
+    assert all(first["model.pt"][k] is not live["model.pt"][k] for k in live["model.pt"])
+    live["model.pt"]["w"].add_(1.0)  # training goes on: the copy does not move
+    assert not torch.equal(first["model.pt"]["w"], live["model.pt"]["w"])
+    pointers = {k: first["model.pt"][k].data_ptr() for k in live["model.pt"]}
+    second = copied_aside({**live, "meta.pt": {"step": 10}}, pinned=False, reuse=first)
+    assert {k: second["model.pt"][k].data_ptr() for k in live["model.pt"]} == pointers  # the same memory
+    assert all(torch.equal(second["model.pt"][k], live["model.pt"][k]) for k in live["model.pt"])
+    assert second["meta.pt"] == {"step": 10}
+    grown = {"model.pt": {"w": torch.randn(5, 3), "b": torch.randn(3)}, "meta.pt": {"step": 15}}
+    third = copied_aside(grown, pinned=False, reuse=second)  # another shape: fresh memory, never a wrong copy
+    assert third["model.pt"]["w"].data_ptr() != pointers["w"] and torch.equal(third["model.pt"]["w"], grown["model.pt"]["w"])
+
+
+def test_the_manifest_entry_hashed_while_writing_is_the_files(tmp_path):
+    entry = save_tensors({"w": torch.randn(1000), "n": 3}, tmp_path / "x.pt")
+    assert entry == {"bytes": (tmp_path / "x.pt").stat().st_size, "sha256": file_digest(tmp_path / "x.pt")}
+    (tmp_path / "other.pt").write_bytes(b"written by a library itself")
+    wrong_size = {"other.pt": {"bytes": 1, "sha256": "0" * 64}}  # an entry that does not fit is not trusted
+    described = describe_files(tmp_path, {"x.pt": entry, **wrong_size})
+    assert described == {"x.pt": entry, "other.pt": {"bytes": 27, "sha256": file_digest(tmp_path / "other.pt")}}
+
+
+def test_background_pruning_keeps_the_newest_and_leaves_nothing_behind(ranks, tmp_path):
+    ranks(2).run(train_on_rank, tiny("trainer.checkpoint_async=true", "trainer.ckpt_every=5", "trainer.keep_last=2"),
+                 str(tmp_path), timeout_s=240)
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_00000015", "step_00000020"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000015", "step_00000020"]

@@ -8,12 +8,16 @@
 A save runs the three phases of checkpoint.save_checkpoint. The first stays in the training
 thread, as it communicates: the `.tmp` folder is made, the layout collects this rank's state
 (full_state_dict, sharded_state_dict: collectives) and every tensor is copied to CPU memory
-(pinned when the model is on a GPU), so training may change the live ones at once. The second,
-writing and fsyncing this rank's files, is a background thread's: no communication in it. The
-third, the commit (every rank agrees the files are written; rank 0 writes the manifest and
-renames the folder), communicates again, so it runs in the training thread, at the first
-`poll()` after every rank's writer has finished: each poll is one small all_reduce while a write
-is in flight, and nothing otherwise.
+(pinned when the model is on a GPU), so training may change the live ones at once. The copies
+are kept for the next checkpoint to copy into (the run holds one checkpoint's worth of CPU
+memory; a fresh allocation's page faults cost more than the copy). The second phase, writing and
+fsyncing this rank's files (hashed as they are written, for the manifest), is a background
+thread's: no communication in it. The third, the commit (every rank agrees the files are
+written; rank 0 writes the manifest from the writers' hashes and renames the folder),
+communicates again, so it runs in the training thread, at the first `poll()` after every rank's
+writer has finished: each poll is one small all_reduce while a write is in flight, and nothing
+otherwise. The checkpoints beyond trainer.keep_last are renamed out of sight at the commit and
+deleted by another background thread.
 
 At most one write is in flight: the next save, the end of the run and a stop wait for it. A
 write that fails surfaces at the poll that commits it, as the same CheckpointWriteFailed line
@@ -27,26 +31,40 @@ synchronous (said once in the log).
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minidist import comm
 from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_folders, collect_files, commit_save,
-                                       sync_to_disk)
+                                       prune, sync_to_disk)
 from minidist.train.checkpoint_layouts import write_files
 
 
-def copied_aside(files: dict, pinned: bool) -> dict:
-    """Every tensor of `files` copied to CPU memory of its own (pinned: for a GPU's copies)."""
-    def copy(t: torch.Tensor) -> torch.Tensor:
+def copied_aside(files: dict, pinned: bool, reuse: dict | None = None) -> dict:
+    """Every tensor of `files` copied to CPU memory of its own (pinned: for a GPU's copies).
+    `reuse`: the previous checkpoint's copies, written and no longer needed; where they have
+    the same structure, shapes and dtypes (every checkpoint of a run but the first), the
+    tensors are copied into them: no allocation, no fresh pages to fault in."""
+    leaves, spec = tree_flatten(files)
+    old, old_spec = tree_flatten(reuse) if reuse is not None else ([], None)
+    same = old_spec == spec and all(
+        not torch.is_tensor(a) or (torch.is_tensor(b) and a.shape == b.shape and a.dtype == b.dtype)
+        for a, b in zip(leaves, old))
+
+    def copy(t, into):
+        if not torch.is_tensor(t):
+            return t
+        if same:
+            return into.copy_(t.detach())
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) if pinned else torch.empty_like(t, device="cpu")
         return out.copy_(t.detach())
-    return tree_map_only(torch.Tensor, copy, files)
+    return tree_unflatten([copy(t, into) for t, into in zip(leaves, old if same else leaves)], spec)
 
 
 class AsyncCheckpoints:
@@ -59,6 +77,9 @@ class AsyncCheckpoints:
         self._step: int | None = None   # the step whose write is in flight
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._written: dict[str, dict] = {}   # the files written, their manifest entries
+        self._copies: dict | None = None        # the last write's copies: the next one's memory
+        self._pruning: threading.Thread | None = None   # rank 0: deleting the checkpoints beyond keep_last
 
     def save(self, step: int, meta: dict, before_commit: Callable[[], None] | None = None) -> Path:
         """Start the checkpoint of `step` (after finishing the one in flight). A collective.
@@ -66,8 +87,10 @@ class AsyncCheckpoints:
         start = time.perf_counter()
         self.wait()
         tmp = begin_save(self.run_dir, step, self.strategy)
-        files = copied_aside(collect_files(self.strategy, step, meta), self.strategy.ctx.device.type == "cuda")
-        self._step, self._error = step, None
+        files = copied_aside(collect_files(self.strategy, step, meta), self.strategy.ctx.device.type == "cuda",
+                             reuse=self._copies)
+        self._copies = files
+        self._step, self._error, self._written = step, None, {}
         self._thread = threading.Thread(target=self._write, args=(tmp, files, before_commit),
                                         name=f"minidist-checkpoint-{step}", daemon=True)
         self._thread.start()
@@ -77,7 +100,7 @@ class AsyncCheckpoints:
     def _write(self, tmp: Path, files: dict, before_commit) -> None:
         start = time.perf_counter()
         try:
-            write_files(tmp, files)
+            self._written = write_files(tmp, files)
             sync_to_disk(tmp)
             if before_commit is not None:
                 before_commit()  # fault injection (debug.kill_during=save): a kill mid background write
@@ -103,12 +126,15 @@ class AsyncCheckpoints:
     def wait(self, training: bool = True) -> tuple[int, Path] | None:
         """Finish and commit the write in flight ((its step, its folder); None if there is none).
         A collective. `training=False` (the end of the run): the wait blocks no training."""
-        if self._step is None:
-            return None
-        start = time.perf_counter()
+        start, done = time.perf_counter(), None
         try:
-            self._thread.join()
-            return self._commit()
+            if self._step is not None:
+                self._thread.join()
+                done = self._commit()
+            if self._pruning is not None:  # rank 0: no checkpoint beyond keep_last left behind
+                self._pruning.join()
+                self._pruning = None
+            return done
         finally:
             if training:
                 self.blocked_s += time.perf_counter() - start
@@ -118,4 +144,10 @@ class AsyncCheckpoints:
         self._step = self._thread = self._error = None
         if error is not None and not _write_error(error):
             raise error
-        return step, commit_save(self.run_dir, step, self.strategy, error, self.keep_last)
+        final = commit_save(self.run_dir, step, self.strategy, error, self._written, keep_last=None)
+        if self.strategy.ctx.rank == 0:  # the oldest checkpoints, deleted while training goes on
+            doomed = prune(self.run_dir, self.keep_last, later=True)
+            self._pruning = threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
+                                             name="minidist-checkpoint-prune", daemon=True)
+            self._pruning.start()
+        return step, final

@@ -115,9 +115,10 @@ class CheckpointWriteFailed(RuntimeError):
 
 
 def remove_partial_saves(run_dir: Path) -> list[str]:
-    """Remove the `.step_*.tmp` folders a save that did not finish left behind; their names."""
+    """Remove the `.step_*.tmp` folders a save that did not finish left behind, and the
+    `.step_*.removing` ones a background removal did not finish (prune); their names."""
     root = Path(run_dir) / "checkpoints"
-    stale = sorted(root.glob(".step_*.tmp")) if root.is_dir() else []
+    stale = sorted([*root.glob(".step_*.tmp"), *root.glob(".step_*.removing")]) if root.is_dir() else []
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
     return [folder.name for folder in stale]
@@ -161,14 +162,14 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     checkpoints untouched. (async_checkpoint.py runs the same three phases, the middle one in
     the background.)"""
     tmp = begin_save(run_dir, step, strategy)
-    error = None
+    error, written = None, {}
     try:
         layout = layout_for(strategy)
-        if layout.collect is None:  # DeepSpeed's engine writes its own files
+        if layout.collect is None:  # DeepSpeed's engine writes its own files (hashed at the commit)
             layout.save(strategy, tmp)
-            write_files(tmp, own_files(strategy, step, meta, {}))
+            written = write_files(tmp, own_files(strategy, step, meta, {}))
         else:
-            write_files(tmp, collect_files(strategy, step, meta))
+            written = write_files(tmp, collect_files(strategy, step, meta))
         sync_to_disk(tmp)  # on disk, on every host, before the rename makes them a checkpoint
     except Exception as e:  # noqa: BLE001 - a write error is agreed on below; anything else re-raised
         if not _write_error(e):
@@ -176,7 +177,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         error = e
     if before_commit is not None:
         before_commit()
-    return commit_save(run_dir, step, strategy, error, keep_last)
+    return commit_save(run_dir, step, strategy, error, written, keep_last)
 
 
 def begin_save(run_dir: Path, step: int, strategy) -> Path:
@@ -204,15 +205,19 @@ def own_files(strategy, step: int, meta: dict, files: dict) -> dict[str, object]
     return files
 
 
-def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None, keep_last: int) -> Path:
+def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None, written: dict[str, dict],
+                keep_last: int | None) -> Path:
     """Once every rank has written (and fsynced) its files, or failed to: agree; rank 0 writes the
-    manifest and renames the folder; the oldest checkpoints beyond `keep_last` go. A collective.
+    manifest and renames the folder; the oldest checkpoints beyond `keep_last` go (None: the
+    caller prunes). A collective. `written`: this rank's files' manifest entries (write_files).
     A failure anywhere raises CheckpointWriteFailed on every rank, the partial folder removed."""
     final, tmp = checkpoint_folders(run_dir, step)
     root, rank = final.parent, strategy.ctx.rank
-    if not _any_rank(error is not None) and rank == 0:  # every rank's files are written
+    reports = comm.all_gather_object((error is not None, written))  # did any fail; what each wrote
+    failed = any(f for f, _ in reports)
+    if not failed and rank == 0:  # every rank's files are written
         try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
-            write_manifest(tmp)
+            write_manifest(tmp, {name: entry for _, files in reports for name, entry in files.items()})
             sync_to_disk(tmp, files=False)
             if final.exists():  # the same step saved again (a resumed run)
                 set_aside_or_remove(final)
@@ -227,11 +232,24 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
         comm.barrier()
         raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, written, step)) from error
-    if rank == 0:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            remove_checkpoint(old)
+    if rank == 0 and keep_last is not None:
+        prune(run_dir, keep_last)
     comm.barrier()
     return final
+
+
+def prune(run_dir: Path, keep_last: int, later: bool = False) -> list[Path]:
+    """Remove the checkpoints beyond the newest `keep_last` (rank 0). `later`: each is only renamed
+    out of sight (`.step_XXXXXXXX.removing`, which no resume looks at) and returned, for the caller
+    to delete in the background; one left by a kill goes at the next start (remove_partial_saves)."""
+    doomed = []
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        if later and not old.is_symlink():
+            doomed.append(old.with_name(f".{old.name}.removing"))
+            old.rename(doomed[-1])
+        else:
+            remove_checkpoint(old)
+    return doomed
 
 
 def set_aside_or_remove(old: Path) -> None:

@@ -46,10 +46,10 @@ def state_dict_layout(net: torch.nn.Module) -> dict:
     return {"order": list(keys), "params": {k: names[id(v)] for k, v in keys.items() if id(v) in names}}
 
 
-def write_files(directory: Path, files: dict[str, object]) -> None:
-    """What a layout's collect() gave, into `directory` (no communication: a background writer may)."""
-    for name, payload in files.items():
-        save_tensors(payload, Path(directory) / name)
+def write_files(directory: Path, files: dict[str, object]) -> dict[str, dict]:
+    """What a layout's collect() gave, into `directory` (no communication: a background writer may).
+    Returns each file's manifest entry, hashed as it was written (manifest.py)."""
+    return {name: save_tensors(payload, Path(directory) / name) for name, payload in files.items()}
 
 
 class Collected:

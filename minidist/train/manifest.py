@@ -4,7 +4,8 @@
 
 A checkpoint folder whose files all open can still be wrong: truncated by a full disk after a
 copy, half-replaced by a sync tool, or edited. The manifest is what the writer saw once every
-rank had written and synced its files; `verify_manifest` checks the folder against it before
+rank had written and synced its files (each rank's writer hashes the bytes it writes as it writes
+them, `Digesting`, so the commit need not read the checkpoint back); `verify_manifest` checks the folder against it before
 anything is loaded, and names the first file that differs. JSON, not a pickle: reading it runs
 no code either.
 """
@@ -28,18 +29,46 @@ def file_digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def describe_files(folder: Path) -> dict[str, dict]:
-    """{relative path: {"bytes", "sha256"}} for every file under `folder` but the manifest."""
-    folder = Path(folder)
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != NAME}
+class Digesting:
+    """A file opened for writing that counts and hashes every byte written through it: the
+    manifest entry of what was written, without reading it back (`entry()`)."""
+
+    def __init__(self, file):
+        self.file, self.bytes, self._sha = file, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._sha.update(data)
+        self.bytes += memoryview(data).nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def entry(self) -> dict:
+        return {"bytes": self.bytes, "sha256": self._sha.hexdigest()}
 
 
-def write_manifest(folder: Path) -> Path:
-    """Describe every file under `folder` in folder/manifest.json, synced to disk."""
+def describe_files(folder: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} for every file under `folder` but the manifest. `known`:
+    entries the writers made as they wrote (Digesting), used for the files of the size they say;
+    any other file (one a library wrote itself, DeepSpeed's) is read and hashed here."""
+    folder, known = Path(folder), known or {}
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != NAME:
+            name, size = p.relative_to(folder).as_posix(), p.stat().st_size
+            entry = known.get(name)
+            out[name] = entry if entry is not None and entry["bytes"] == size else \
+                {"bytes": size, "sha256": file_digest(p)}
+    return out
+
+
+def write_manifest(folder: Path, known: dict[str, dict] | None = None) -> Path:
+    """Describe every file under `folder` in folder/manifest.json, synced to disk (`known`: see
+    describe_files)."""
     path = Path(folder) / NAME
     with open(path, "w") as f:
-        json.dump({"format": FORMAT, "files": describe_files(folder)}, f, indent=1, sort_keys=True)
+        json.dump({"format": FORMAT, "files": describe_files(folder, known)}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     return path

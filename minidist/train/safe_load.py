@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from minidist.train.errors import CheckpointRefused  # noqa: F401  (raised here; public from here too)
-from minidist.train.manifest import NAME as MANIFEST
+from minidist.train.manifest import NAME as MANIFEST, Digesting
 from minidist.train.manifest import verify_manifest
 
 DEEPSPEED_DIR = "deepspeed"  # where the ds_zero* strategies keep DeepSpeed's own files
@@ -103,12 +103,15 @@ def check_bounded(obj: Any, path: Path) -> Any:
 FULL_DISK_BYTES = 1 << 20  # free space under which a short write is taken for a full disk
 
 
-def save_tensors(obj: Any, path: Path) -> None:
+def save_tensors(obj: Any, path: Path) -> dict:
     """torch.save into a file opened here: a failed write raises the OS's own OSError (errno,
-    message), where torch's path-based writer only reports "unexpected pos"."""
+    message), where torch's path-based writer only reports "unexpected pos". Returns the file's
+    manifest entry ({"bytes", "sha256"} of what was written)."""
     with open(path, "wb") as f:
         try:
-            torch.save(obj, f)
+            out = Digesting(f)
+            torch.save(obj, out)
+            return out.entry()
         except RuntimeError as e:  # torch's writer saw a short write: the OS's reason is the context
             if isinstance(e.__context__, OSError):
                 os_error = e.__context__
