@@ -56,6 +56,7 @@ def main(cfg: DictConfig) -> None:
     print(f"async / sync blocked time: {ratio['median']:.3f} (95% interval {ratio['ci'][0]:.3f}-{ratio['ci'][1]:.3f})")
     write_json(cfg.out, {"strategy": cfg.strategy, "model": cfg.model_name, "world_size": int(cfg.nproc),
                          "steps": int(cfg.steps), "ckpt_every": int(cfg.ckpt_every), "rounds": int(cfg.rounds),
+                         "cpus": os.cpu_count(),
                          "runs": runs, "medians": medians, "blocked_ratio": ratio})
 
 

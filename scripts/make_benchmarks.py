@@ -400,10 +400,24 @@ def checkpoint_section() -> list[str]:
         "",
         f"Async blocks training {ratio['median']:.3f}x as long as synchronous saves (median of the rounds' ratios, "
         f"95% interval {lo:.3f}-{hi:.3f}); the goal, under {CHECKPOINT_TARGET:g}x: {met}. What async still "
-        "blocks: gathering the state (the collectives) and copying it to CPU memory; the files are written, "
-        "fsynced and committed in the background (`minidist/train/async_checkpoint.py`).",
+        "blocks: gathering the state (the collectives), copying it into CPU memory (the previous checkpoint's, "
+        "reused) and the commit (the writers' hashes gathered, the manifest, the rename); the files are written, "
+        "hashed and fsynced, and the oldest checkpoint deleted, in the background "
+        "(`minidist/train/async_checkpoint.py`). " + step_cost(m, r["steps"], r["world_size"], r.get("cpus")),
         "",
     ]
+
+
+def step_cost(m: dict, steps: int, ranks: int, cpus: int | None) -> str:
+    """What the background writer costs the steps it runs beside, and the net of the two."""
+    slower = m["async"]["step_s"] / m["sync"]["step_s"]
+    total = {way: steps * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
+    verdict = "saves time overall" if total["async"] < total["sync"] else "does not save time overall here"
+    return (f"The writer shares the machine with training: the median step is {slower:.2f}x the synchronous run's, "
+            f"so with steps and blocked time together ({total['sync']:.1f} s sync, {total['async']:.1f} s async) "
+            f"async {verdict}." + (f" Here {ranks} ranks train on the machine's {cpus} cores, so the writer has no "
+                                   "core of its own; where it has one (a GPU's host), only the blocked time is left."
+                                   if cpus is not None and cpus <= ranks else ""))
 
 
 def render(img: Path = IMG) -> str:
