@@ -3,6 +3,7 @@ torchrun's c10d rendezvous across them; every rank ends equal to a 4-rank single
 zero2: bitwise); hybrid sharding (hsdp2, hsdp3) and hierarchical all_reduce, their shard groups
 found from the host layout, end within 1e-6 of ddp."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -84,3 +85,33 @@ def test_without_a_python_it_says_run_make_setup(tmp_path):
     out = subprocess.run(["/bin/bash", "-c", ". scripts/lib/python.sh; echo chose $PYTHON"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "chose .venv/bin/python", out
+
+
+ELASTIC = ROOT / "scripts" / "elastic_local.sh"
+
+
+@pytest.mark.slow(stand_in="test_elastic_check.py::test_the_final_history_takes_each_steps_last_attempt_and_its_ranks")
+@pytest.mark.timeout(900)
+def test_a_lost_host_is_left_within_seconds_and_a_returning_one_rejoins(tmp_path):
+    """2 hosts x 2 ranks, zero2, under torchrun --nnodes 1:2: host 2 loses its link (then its
+    processes) after step 25; the survivors' heartbeat notices within launcher.peer_timeout_s,
+    torchrun re-forms the group at 2 ranks, which resumes from step 20 with the same global batch;
+    host 2 comes back and the group restarts at 4 ranks. The final model and every step's sample
+    ids equal a run switched by hand at the same checkpoints (bitwise, here)."""
+    reason = namespaces_available()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "OUT": str(tmp_path), "PREFIX": "mde", "PYTHON": PYTHON, "TIMEOUT_S": "300"}
+    out = subprocess.run(["bash", str(ELASTIC), "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+                          "model.block_size=32", "data.max_bytes=200000", "trainer.micro_batch_size=4"],
+                         env=env, capture_output=True, text=True, timeout=880)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads((tmp_path / "elastic.json").read_text())
+    assert result["world_sizes"] == [4, 2, 4] and result["resumed_at_steps"][0] == 20, result
+    assert result["final_step"] == 100 and result["final_world_size"] == 4, result
+    assert result["samples_identical"] and result["largest_relative_difference"] <= 1e-5, result
+    # Bounded: the heartbeat (5 s), the rendezvous' last call (5 s), and starting the ranks; far
+    # under the 300 s a collective would have waited (launcher.timeout_s).
+    assert result["seconds_loss_to_first_step"] < 120, result
+    assert "PeerLost: rank 2 sent no heartbeat" in (tmp_path / "elastic.host1.log").read_text() or \
+        "PeerLost: rank 3 sent no heartbeat" in (tmp_path / "elastic.host1.log").read_text()

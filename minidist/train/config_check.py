@@ -257,6 +257,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         value = cfg.launcher.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ConfigError(f"launcher.{key}={value!r} must be a positive number of seconds")
+    peer = cfg.launcher.get("peer_timeout_s", 0)
+    if isinstance(peer, bool) or not isinstance(peer, (int, float)) or peer < 0:
+        raise ConfigError(f"launcher.peer_timeout_s={peer!r} must be a number of seconds (0: no heartbeat)")
     grad_accum_steps(cfg, world_size)  # raises if the global batch does not divide
     try:
         kills = planned_kills(cfg.get("debug"))

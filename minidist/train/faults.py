@@ -15,6 +15,8 @@ debug.stall_rank / debug.stall_at_step: that rank stops participating before tha
 sleeps, as a rank stuck in a data loader or a deadlock would); the others must fail after
 launcher.timeout_s (minidist/train/collective_failure.py names what they waited for).
 debug.nan_rank / debug.nan_at_step: that rank's loss becomes nan at that step.
+debug.step_delay_s: every rank sleeps this long before each step (a slow model, without one: so
+that a host can be lost, or come back, while the run is still going).
 
 The trainer parses the plan once (FaultPlan) and asks it at each step.
 """
@@ -74,6 +76,7 @@ class FaultPlan:
         self.kill_during = str(debug_cfg.get("kill_during", "step")) if debug_cfg is not None else "step"
         self.stall = _rank_and_step(debug_cfg, "stall")
         self.nan = _rank_and_step(debug_cfg, "nan")
+        self.step_delay_s = float(debug_cfg.get("step_delay_s", 0) or 0) if debug_cfg is not None else 0.0
 
     def maybe_kill(self, run_dir: Path, rank: int, step: int, during: str = "step") -> None:
         """Die now if planned for this rank and step, `during` the step or its checkpoint's save."""
@@ -81,7 +84,10 @@ class FaultPlan:
             maybe_kill(self.kills, run_dir, rank, step)
 
     def maybe_stall(self, rank: int, step: int) -> None:
-        """Stop participating, for good, if this rank is to stall before this step."""
+        """Stop participating, for good, if this rank is to stall before this step (and sleep
+        debug.step_delay_s before every step)."""
+        if self.step_delay_s > 0:
+            time.sleep(self.step_delay_s)
         if self.stall == (rank, step):
             while True:  # until the launcher stops the job
                 time.sleep(3600)

@@ -39,6 +39,7 @@ from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
 from minidist.train.device_setup import configure_device, to_device
 from minidist.train.failure_report import write_record
+from minidist.train.peer_watch import PeerWatch
 from minidist.train.faults import FaultPlan
 from minidist.train.collective_failure import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
@@ -150,6 +151,9 @@ class Trainer:
                               "communicating as it does: they stay synchronous")
             else:
                 self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy, int(t.keep_last))
+        # A host that vanishes makes the others leave within launcher.peer_timeout_s (peer_watch.py)
+        self.peer_watch = PeerWatch.start(ctx, float(cfg.launcher.get("peer_timeout_s", 0)), step=lambda: self.step,
+                                          run_dir=self.run_dir)
         self.samples_log = None
         if t.get("log_samples"):  # appended to: a resumed run continues the same files
             (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
@@ -503,6 +507,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "peer_watch", None) is not None:
+            self.peer_watch.stop()
         if getattr(self, "samples_log", None) is not None:
             self.samples_log.close()
         self.log.close()

@@ -5,6 +5,7 @@
 #   netns_require_root "$0"      # exit 3 with the reason where namespaces cannot be made
 #   trap netns_cleanup EXIT; netns_cleanup; netns_up
 #   netns_torchrun 1 "$name" NPROC script.py args...   # host 1's share of a c10d-rendezvous job
+#   netns_lose_host 2; netns_add_host 2                  # a host gone, and back
 #
 # Host i is namespace ${PREFIX}h$i with address $SUBNET.$i on its eth0; the rendezvous is at host 1.
 SUBNET=${SUBNET:-10.77.0}
@@ -21,6 +22,7 @@ netns_require_root() {
 }
 
 netns_cleanup() {
+    local i ns pids
     for i in $(seq 1 "$HOSTS"); do
         ns=${PREFIX}h$i
         if ip netns list | grep -qw "$ns"; then
@@ -34,25 +36,41 @@ netns_cleanup() {
     return 0
 }
 
+# netns_lose_host HOST: the host vanishes as one that loses power does: its link goes first (so
+# nothing it could still say reaches anyone), then its processes and its namespace.
+netns_lose_host() {
+    local ns=${PREFIX}h$1 pids
+    ip link del "${PREFIX}v$1" 2>/dev/null
+    pids=$(ip netns pids "$ns" 2>/dev/null)
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+    return 0
+}
+
+# netns_add_host HOST: namespace ${PREFIX}hHOST, its veth plugged into the bridge, its address up.
+netns_add_host() {
+    local i=$1 ns=${PREFIX}h$1
+    ip netns add "$ns"
+    ip link add "${PREFIX}v$i" type veth peer name "${PREFIX}p$i"
+    ip link set "${PREFIX}p$i" netns "$ns"
+    ip link set "${PREFIX}v$i" master "$BRIDGE" up
+    ip netns exec "$ns" ip link set lo up
+    ip netns exec "$ns" ip link set "${PREFIX}p$i" name eth0
+    ip netns exec "$ns" ip addr add "$SUBNET.$i/24" dev eth0
+    ip netns exec "$ns" ip link set eth0 up
+    [ "$i" = 1 ] || ip netns exec "$ns" ip -4 route get "$SUBNET.1" >/dev/null 2>&1 || die "host $i has no route to host 1"
+}
+
 netns_up() {
     ip link add "$BRIDGE" type bridge && ip link set "$BRIDGE" up || die "cannot create bridge $BRIDGE"
-    for i in $(seq 1 "$HOSTS"); do
-        ns=${PREFIX}h$i
-        ip netns add "$ns"
-        ip link add "${PREFIX}v$i" type veth peer name "${PREFIX}p$i"
-        ip link set "${PREFIX}p$i" netns "$ns"
-        ip link set "${PREFIX}v$i" master "$BRIDGE" up
-        ip netns exec "$ns" ip link set lo up
-        ip netns exec "$ns" ip link set "${PREFIX}p$i" name eth0
-        ip netns exec "$ns" ip addr add "$SUBNET.$i/24" dev eth0
-        ip netns exec "$ns" ip link set eth0 up
-    done
-    for i in $(seq 2 "$HOSTS"); do  # every host has a route to host 1 before anything starts
-        ip netns exec "${PREFIX}h$i" ip -4 route get "$SUBNET.1" >/dev/null 2>&1 || die "host $i has no route to host 1"
+    for i in $(seq 1 "$HOSTS"); do  # every host has a route to host 1 before anything starts
+        netns_add_host "$i"
     done
 }
 
 # netns_torchrun HOST RDZV_ID NPROC_PER_HOST SCRIPT ARGS...: runs in the foreground; background it.
+# NNODES (default HOSTS; MIN:MAX for an elastic job), RDZV_CONF (more --rdzv-conf settings, comma
+# separated) and TORCHRUN_ARGS (e.g. "--max-restarts 2") pass on to torchrun.
 netns_torchrun() {
     local i=$1 id=$2 nproc=$3
     shift 3
@@ -62,7 +80,7 @@ netns_torchrun() {
     local is_host=0
     [ "$i" = 1 ] && is_host=1
     ip netns exec "${PREFIX}h$i" env GLOO_SOCKET_IFNAME=eth0 timeout -k 10 "$TIMEOUT_S" \
-        "$PYTHON" -m torch.distributed.run --nnodes "$HOSTS" --nproc_per_node "$nproc" \
+        "$PYTHON" -m torch.distributed.run --nnodes "${NNODES:-$HOSTS}" --nproc_per_node "$nproc" \
         --rdzv-backend c10d --rdzv-endpoint "$SUBNET.1:$PORT" --rdzv-id "$id" --local-addr "$SUBNET.$i" \
-        --rdzv-conf "is_host=$is_host" "$@"
+        --rdzv-conf "is_host=$is_host${RDZV_CONF:+,$RDZV_CONF}" ${TORCHRUN_ARGS:-} "$@"
 }
