@@ -135,3 +135,57 @@ def test_an_unreadable_checkpoint_is_set_aside_not_overwritten(ranks, saved, tmp
     assert aside.is_dir() and (aside / "optimizer.pt").read_bytes() == b"damaged"  # kept as it was
     assert latest_checkpoint(run_dir).name == "step_00000004"
     assert resolve_resume(AUTO, run_dir).name == "step_00000004"  # the new one reads
+
+
+@pytest.fixture(scope="module")
+def saved_dcp(ranks, tmp_path_factory):
+    """A native_fsdp run's checkpoints (torch.distributed.checkpoint's folders) at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("untrusted_dcp") / "run"
+    ranks(2).run(train_on_rank, tiny("trainer.max_steps=4", "trainer.ckpt_every=2", "trainer.keep_last=2",
+                                     strategy="native_fsdp"), str(run_dir), timeout_s=240)
+    return run_dir
+
+
+def test_dcp_metadata_that_would_run_code_is_refused_and_resume_falls_back(saved_dcp, tmp_path, capsys):
+    """DCP's own reader would pickle.load its .metadata; ours resolves only DCP's classes."""
+    import pickle
+
+    run_dir, newest = copy_run(saved_dcp, tmp_path)
+    marker = tmp_path / "ran"
+    (newest / "dcp" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    write_manifest(newest)  # re-signed: only the reader stands in the way
+    name, said, _ = resume_auto(run_dir, capsys)
+    assert name == "step_00000002" and not marker.exists()
+    assert "was not loaded: it names io.open" in said, said
+    code, err = consolidate(newest, tmp_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "io.open" in err and not marker.exists(), err
+
+
+def test_a_dcp_item_that_would_run_code_is_refused_before_dcp_unpickles_it(saved_dcp, tmp_path):
+    """A non-tensor item (a param group's lr) is unpickled by DCP with weights_only=False: ours
+    first proves it under torch's restricted unpickler."""
+    import pickle
+
+    from minidist.train import dcp_files
+    from minidist.train.errors import CheckpointRefused
+
+    ckpt = saved_dcp / "checkpoints" / "step_00000004" / "dcp"
+    folder = tmp_path / "dcp"
+    shutil.copytree(ckpt, folder)
+    meta = dcp_files.read_metadata(folder)
+    key = next(k for k in meta.state_dict_metadata if k.endswith("param_groups.0.lr"))
+    where = meta.storage_data[next(i for i in meta.storage_data if i.fqn == key)]
+    payload = io.BytesIO()
+    torch.save(RunsCode(tmp_path / "ran"), payload)
+    data = bytearray((folder / where.relative_path).read_bytes())
+    blob = payload.getvalue()
+    data[where.offset:where.offset + where.length] = blob[:where.length].ljust(where.length, b"\0")
+    if len(blob) <= where.length:
+        (folder / where.relative_path).write_bytes(bytes(data))
+    else:  # longer than the slot: append it and point the metadata there (as a writer could)
+        where.offset, where.length = len(data), len(blob)
+        (folder / where.relative_path).write_bytes(bytes(data) + blob)
+        (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CheckpointRefused, match="param_groups.0.lr in a torch.distributed.checkpoint folder holds"):
+        dcp_files.read_full(folder)
+    assert not (tmp_path / "ran").exists()

@@ -169,3 +169,24 @@ def test_what_cannot_continue_is_refused_in_one_line_naming_the_fix():
                                           "wrote them. Resume with strategy=ds_zero2 launcher.nproc=4"):
         check_layouts_meet(cfg, Path("ckpt"), ds, 4)
     check_layouts_meet(compose_cfg(tiny_overrides(*BATCH, strategy="ds_zero2")), Path("ckpt"), ds, 4)  # its own
+
+
+@pytest.mark.parametrize("world, strategy", [(3, "native_fsdp"), pytest.param(2, "zero2", marks=pytest.mark.slow(
+    stand_in="test_a_dcp_checkpoint_written_without_a_gather_resumes_anywhere[3-native_fsdp]"))])
+def test_a_dcp_checkpoint_written_without_a_gather_resumes_anywhere(ranks, straight, tmp_path, world, strategy):
+    """native_fsdp saves through torch.distributed.checkpoint: a file per rank, nothing gathered to
+    rank 0. Its checkpoint continues at another world size (DCP re-cuts the shards) and as one of
+    our strategies (read whole, it is the portable form), equal to the straight run."""
+    straight_dir, straight_loss = straight
+    fsdp = tmp_path / "fsdp"
+    ranks(2).run(train_on_rank, cfg("native_fsdp", "trainer.stop_at=12"), str(fsdp),
+                 str(straight_dir / "checkpoints" / "step_00000008"), timeout_s=300)
+    ckpt = list_checkpoints(fsdp)[-1]
+    assert ckpt.name == "step_00000012" and read_meta(ckpt)["layout"] == "dcp"
+    assert sorted(p.name for p in (ckpt / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt / "model.pt").exists() and not (ckpt / "optimizer.pt").exists()
+    resumed = ranks(world).run(train_on_rank, cfg(strategy), str(tmp_path / "resumed"), str(ckpt), timeout_s=300)
+    log = (tmp_path / "resumed" / "logs" / "rank_0.log").read_text()
+    assert f"resumed step 12 of native_fsdp at 2 ranks as {strategy} at {world} ranks" in log
+    compare_with_straight(straight_dir, tmp_path / "resumed", straight_loss, resumed[0]["train/loss"],
+                          f"native_fsdp@2 (dcp) -> {strategy}@{world}", first_step=13)

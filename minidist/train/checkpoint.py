@@ -165,7 +165,7 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
     error, written = None, {}
     try:
         layout = layout_for(strategy)
-        if layout.collect is None:  # DeepSpeed's engine writes its own files (hashed at the commit)
+        if layout.collect is None:  # DeepSpeed's engine or DCP writes its own files (hashed at the commit)
             layout.save(strategy, tmp)
             written = write_files(tmp, own_files(strategy, step, meta, {}))
         else:

@@ -9,6 +9,9 @@ engine), never files.
                written by the first replica only, and layout.pt: the state_dict's key order and
                which parameter each key holds (tied weights), for consolidation
     deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
+    dcp        torch.distributed.checkpoint's folder (dcp/): every rank writes its own shards at
+               once, nothing is gathered (native_fsdp, native_hsdp); dcp_files.py reads it safely;
+               and layout.pt, the module's key order
 
 Any layout but DeepSpeed's also gives its state in one portable form (`portable`): the plain
 state_dict, and the optimizer's state keyed by parameter name, as torch.distributed.checkpoint's
@@ -32,6 +35,7 @@ MODEL = "model.pt"
 OPTIMIZER = "optimizer.pt"
 LAYOUT = "layout.pt"
 DEEPSPEED = "deepspeed"
+DCP = "dcp"
 
 
 def shard_path(directory: Path, rank: int) -> Path:
@@ -168,6 +172,7 @@ class DeepSpeedLayout:
     name = "deepspeed"
 
     collect = None  # DeepSpeed's engine writes its own files (and communicates while it does): save only
+    writer = "DeepSpeed's engine"
 
     def save(self, strategy, directory: Path) -> None:
         model = strategy.full_state_dict()  # a collective at stage 3
@@ -198,15 +203,55 @@ class DeepSpeedLayout:
         return f"DeepSpeed's own ({DEEPSPEED}/) and a full state_dict ({MODEL})"
 
 
-LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout())}
+class Distributed:
+    """torch.distributed.checkpoint's folder: every rank writes its own shards, nothing is gathered
+    to one rank; DCP re-cuts them for any world size or mesh at load. Its state dict is
+    {"model": get_model_state_dict, "optim": get_optimizer_state_dict}, so read whole (no
+    process group) it is the portable form itself."""
+
+    name = "dcp"
+
+    collect = None  # DCP plans the write across the ranks (collectives) as it saves: save only
+    writer = "torch.distributed.checkpoint"
+
+    def save(self, strategy, directory: Path) -> None:
+        from minidist.train import dcp_files
+
+        dcp_files.save(strategy.dcp_state_dict(), Path(directory) / DCP)
+        if strategy.ctx.rank == 0:  # the module's key order, which DCP's metadata does not keep
+            save_tensors(state_dict_layout(strategy.net), Path(directory) / LAYOUT)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        strategy.load_dcp(Path(directory) / DCP)
+
+    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
+        from minidist.train import dcp_files
+
+        return dcp_files.saved_shapes(Path(ckpt) / DCP, "model.")
+
+    def consolidate(self, ckpt: Path, meta: dict) -> dict:
+        model = self.portable(ckpt, meta, [])[0]
+        return {key: model[key] for key in load_tensors(Path(ckpt) / LAYOUT)["order"]}
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        from minidist.train import dcp_files
+
+        state = dcp_files.read_full(Path(ckpt) / DCP)
+        return state["model"], state["optim"]
+
+    def describe(self, meta: dict) -> str:
+        return f"torch.distributed.checkpoint's own ({DCP}/: a file per rank, nothing gathered) and {LAYOUT}"
 
 
-def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout:
+LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout(), Distributed())}
+
+
+def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout | Distributed:
     """The layout a strategy's checkpoints use: its spec's `checkpoint`."""
     return LAYOUTS[strategy.spec.checkpoint if strategy.spec is not None else "full"]
 
 
-def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout:
+def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout | Distributed:
     """The layout a checkpoint was written in (meta.pt's `layout`; older ones said `sharded`, and
     DeepSpeed's were told apart by their strategy)."""
     from minidist.train.errors import ConfigError

@@ -11,6 +11,9 @@ anything else before it is constructed.
     save_tensors(state, path)                  # torch.save through an opened file: a full disk is
                                                # the OS's OSError (errno 28), not "unexpected pos"
 
+torch.distributed.checkpoint's folders (native_fsdp, native_hsdp) are read by dcp_files.py, whose
+metadata reader resolves only DCP's own classes (checked here too, before anything loads).
+
 DeepSpeed's own checkpoint files (ds_zero*) hold three small DeepSpeed classes besides
 tensors, and DeepSpeed's loader unpickles without restriction. Before a directory is
 handed to it, each of its files must load under the restricted unpickler with those
@@ -137,6 +140,10 @@ def verify_checkpoint_files(ckpt: Path) -> list[str]:
             ds_allow = ds_allow if ds_allow is not None else deepspeed_classes()
             allow = ds_allow
         load_tensors(ckpt / name, mmap=True, allow=allow)
+    for name in (n for n in listed if Path(n).name == ".metadata"):  # torch.distributed.checkpoint's (dcp_files.py)
+        from minidist.train.dcp_files import read_metadata
+
+        read_metadata((ckpt / name).parent)
     known = {*listed, MANIFEST}
     return sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*")
                   if not p.is_dir() and p.relative_to(ckpt).as_posix() not in known)

@@ -146,9 +146,9 @@ class Trainer:
         self.checkpoints = None  # trainer.checkpoint_async: the background writer (async_checkpoint.py)
         self.sync_save_s = 0.0  # the synchronous saves' time: training blocked, all of it writing
         if t.get("checkpoint_async"):
-            if layout_for(self.strategy).collect is None:
-                self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s engine writes its own checkpoints, "
-                              "communicating as it does: they stay synchronous")
+            if (layout := layout_for(self.strategy)).collect is None:
+                self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s checkpoints are written by "
+                              f"{layout.writer}, communicating as it does: they stay synchronous")
             else:
                 self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy, int(t.keep_last))
         # A host that vanishes makes the others leave within launcher.peer_timeout_s (peer_watch.py)

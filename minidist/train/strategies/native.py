@@ -3,8 +3,8 @@
 | name         | what                                                                 | checkpoint |
 | native_ddp   | torch DistributedDataParallel                                        | full       |
 | native_zero1 | DistributedDataParallel + ZeroRedundancyOptimizer                    | full       |
-| native_fsdp  | fully_shard per unit (the units our stage 3 would pick), then the root | full     |
-| native_hsdp  | the same on a 2-D DeviceMesh (replicate x shard_size): FSDP2's HSDP  | full       |
+| native_fsdp  | fully_shard per unit (the units our stage 3 would pick), then the root | dcp      |
+| native_hsdp  | the same on a 2-D DeviceMesh (replicate x shard_size): FSDP2's HSDP  | dcp        |
 
 Their communication is torch's own (minidist.comm's tracer does not see it: traces_comm=False);
 the comparison counts it from the profiler's events.
@@ -130,6 +130,23 @@ class NativeFSDP(Strategy):
 
         set_optimizer_state_dict(self.net, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
+    def dcp_state_dict(self) -> dict:
+        """The sharded state torch.distributed.checkpoint saves and loads (DTensors: each rank's own)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        return {"model": get_model_state_dict(self.net), "optim": get_optimizer_state_dict(self.net, self.optimizer)}
+
+    def load_dcp(self, folder) -> None:
+        """Load a torch.distributed.checkpoint folder saved at any world size or mesh. A collective."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        from minidist.train import dcp_files
+
+        state = self.dcp_state_dict()
+        dcp_files.load_into(state, folder)
+        set_model_state_dict(self.net, state["model"])
+        set_optimizer_state_dict(self.net, self.optimizer, state["optim"])
+
     def load_portable(self, model_state, optim_state):
         """The portable form is torch.distributed.checkpoint's full one: loaded as it is."""
         self.load_full_state_dict(model_state)
@@ -163,7 +180,7 @@ register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataPar
                       options=DDP_OPTIONS, choices=HOOKS, traces_comm=False))
 register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
                       zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params",),
-                      traces_comm=False))
+                      checkpoint="dcp", traces_comm=False))
 register(StrategySpec("native_hsdp", "native", NativeHSDP, "fully_shard on a 2-D DeviceMesh: FSDP2's HSDP",
                       zero_stage=3, hybrid=True, messages="units", options=("min_unit_params", "shard_size"),
-                      collectives=in_shard_groups(ZERO3), traces_comm=False))
+                      collectives=in_shard_groups(ZERO3), checkpoint="dcp", traces_comm=False))
