@@ -2,6 +2,7 @@
 
     python scripts/make_fault_tolerance_doc.py                # run the soak (~2 min on 2 cores), then render
     python scripts/make_fault_tolerance_doc.py --render-only  # rewrite the document from the committed data
+    sudo python scripts/make_fault_tolerance_doc.py --only elastic   # the host lost and back (~2 min, root)
 
 The soak is tests/test_fault_tolerance.py::test_soak_three_kills_in_a_thousand_steps, run by
 pytest with MINIDIST_SOAK_OUT set: it asserts the final state equals the uninterrupted run's,
@@ -40,6 +41,66 @@ def soak() -> None:
     if done.returncode != 0 or not out.is_file():
         raise SystemExit(f"the soak test failed (exit {done.returncode}): nothing written")
     record(DATA, json.loads(out.read_text()), provenance(COMMAND, torch.__version__))
+
+
+ELASTIC = ROOT / "docs" / "fault_tolerance" / "data" / "elastic.json"
+ELASTIC_ARGS = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000",
+                "trainer.micro_batch_size=4"]
+ELASTIC_COMMAND = "sudo scripts/elastic_local.sh " + " ".join(ELASTIC_ARGS)
+
+
+def elastic() -> None:
+    """scripts/elastic_local.sh on emulated hosts (root): a host lost and back; its figures committed."""
+    import torch
+
+    out = Path(tempfile.mkdtemp(prefix="minidist-elastic-"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "elastic_local.sh"), *ELASTIC_ARGS], cwd=ROOT,
+                          env={**os.environ, "OUT": str(out), "PREFIX": "mdd"})
+    if done.returncode != 0 or not (out / "elastic.json").is_file():
+        raise SystemExit(f"scripts/elastic_local.sh failed (exit {done.returncode}): nothing written; see {out}")
+    record(ELASTIC, json.loads((out / "elastic.json").read_text()), provenance(ELASTIC_COMMAND, torch.__version__))
+
+
+def elastic_section(data: dict) -> list[str]:
+    d, p = data["results"], data["provenance"]
+    w = d["world_sizes"]
+    same = "bitwise equal" if d["bitwise"] else f"within {d['largest_relative_difference']:.1e} relative"
+    return [
+        f"## Elastic: a host lost, and back ({' -> '.join(map(str, w))} ranks)",
+        "",
+        f"`{p['command']}`: 2 emulated hosts (network namespaces) x 2 ranks train `strategy=zero2` under `torchrun "
+        "--nnodes 1:2 --max-restarts 3`. After step 25 host 2 vanishes as a host that loses power does: its link "
+        "goes first, then its processes. Nothing tells the survivors; their collectives would wait out "
+        "`launcher.timeout_s`. Each rank's heartbeat (`minidist/train/peer_watch.py`) finds its ring neighbour "
+        "silent, and the survivors leave. torchrun re-forms the group from the host that is left. The trainer "
+        "resumes from the latest checkpoint at the smaller world size, with the same global batch (grad_accum "
+        f"{w[0] // w[1]}x as large). Then host 2 comes back, and torchrun restarts the group with it.",
+        "",
+        "| event | figure |",
+        "| --- | --- |",
+        f"| the loss noticed: the survivors leave | {d['seconds_loss_to_leaving']:.1f} s after the loss "
+        f"(launcher.peer_timeout_s={d['peer_timeout_s']:g}) |",
+        f"| the first step at {w[1]} ranks ends | {d['seconds_loss_to_first_step']:.1f} s after the loss |",
+        f"| steps redone | {d['steps_redone_after_loss']} (step {d['reached_before_loss']} reached, resumed from "
+        f"{d['resumed_at_steps'][0]}) |",
+        *([f"| the host back: the first step at {w[2]} ranks ends | {d['seconds_return_to_first_step']:.1f} s after "
+           f"it rejoined; {d['steps_redone_after_return']} steps redone"
+           f"{' (torchrun stops the group with a SIGTERM, and the step reached is checkpointed)' if d['steps_redone_after_return'] == 0 else ''} |"]
+          if "seconds_return_to_first_step" in d else []),
+        f"| final model vs the same switches made by hand (`trainer.stop_at`, the checkpoint copied, the next "
+        f"world size) | {same} |",
+        f"| every step's sample ids vs the hand-switched run's | {'identical' if d['samples_identical'] else 'DIFFERENT'} |",
+        "",
+        f"Between leaving and the first step: torchrun's rendezvous waits its last call for more hosts "
+        f"(`--rdzv-conf last_call_timeout={d['last_call_timeout_s']:g}`), then the "
+        f"{w[1]} processes start (Python, torch, Hydra) and load the checkpoint. The host that serves the rendezvous "
+        "(and the store the heartbeats go through) must be one that survives, as for any torchrun c10d rendezvous. "
+        "A returning host needs `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: with torch's shared rendezvous store, a host "
+        "that joins a later round never gets the store's address, and waits forever. "
+        f"Measured on the development machine (torch {p['torch']}, gloo), {p['date']}, commit {p['commit'][:12]}; "
+        "`test_multinode.py::test_a_lost_host_is_left_within_seconds_and_a_returning_one_rejoins` (root) runs it.",
+        "",
+    ]
 
 
 def soak_section(data: dict) -> list[str]:
@@ -94,6 +155,8 @@ PROVEN = """## What else is proven, and where
 | uneven inputs under `minidist.Join` (DataParallel) equal native DDP under torch's Join, every rank | `test_join.py` |
 | uneven inputs under `minidist.Join` (ShardedDataParallel 1-3): every rank ends with native DDP's longest-training rank's state; a rank with no batch makes every rank raise | `test_join.py` |
 | 2 emulated hosts (network namespaces) x 2 ranks equal one 4-rank host, bitwise (ddp, zero2) | `test_multinode.py` |
+| a host lost (link cut, no word): the survivors leave within launcher.peer_timeout_s, torchrun re-forms the group, resumed at 2 ranks; the host back, 4 again; equal to the hand-switched run, sample ids identical | `test_multinode.py::test_a_lost_host_is_left_within_seconds_and_a_returning_one_rejoins` (root) |
+| the heartbeat: a silent neighbour named within the peer timeout, every rank told; a finished rank never taken for lost | `test_peer_watch.py` |
 | bytes between the emulated hosts, from the veth counters, within the ring model's theory plus headers and ACKs (ddp, zero2, zero3, hsdp2, hsdp3, ddp_hierarchical) | `test_multinode.py` |"""
 
 
@@ -105,6 +168,7 @@ def render() -> str:
         "data, `docs/fault_tolerance/data/soak.json`); do not edit by hand.",
         "",
         *soak_section(load(DATA)),
+        *(elastic_section(load(ELASTIC)) if ELASTIC.is_file() else []),
         PROVEN,
     ]
     return "\n".join(lines).rstrip() + "\n"
@@ -112,13 +176,18 @@ def render() -> str:
 
 def with_quotes(text: str) -> str:
     """`text` (the README) with its quote of the soak rendered from the same data."""
-    d = load(DATA)["results"]
-    return fill_quotes(text, "fault_tolerance", {"soak": (
-        f"{d['lost_s']:.0f} s lost to {len(d['kills'])} restarts in a {d['straight_s']:.0f} s run, final state "
-        "bitwise equal")})
+    d, e = load(DATA)["results"], load(ELASTIC)["results"]
+    return fill_quotes(text, "fault_tolerance", {
+        "soak": (f"{d['lost_s']:.0f} s lost to {len(d['kills'])} restarts in a {d['straight_s']:.0f} s run, final "
+                 "state bitwise equal"),
+        "elastic": (f"the survivors left {e['seconds_loss_to_leaving']:.1f} s after the loss and ended their first step "
+                    f"at {e['world_sizes'][1]} ranks after {e['seconds_loss_to_first_step']:.1f} s, "
+                    f"{e['steps_redone_after_loss']} steps redone; the final model "
+                    f"{'bitwise equal to' if e['bitwise'] else 'within tolerance of'} the hand-switched run's, "
+                    f"every step's sample ids {'the same' if e['samples_identical'] else 'DIFFERENT'}")})
 
 
-DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak}, readme_quotes=with_quotes)
+DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak, "elastic": elastic}, readme_quotes=with_quotes)
 
 if __name__ == "__main__":
     sys.exit(main(DOCUMENT))

@@ -17,6 +17,7 @@ and, where the host came back, the seconds from its return to the first step at 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -110,6 +111,9 @@ def main(argv: list[str]) -> int:
     if stamp("back_at") is not None:
         result["seconds_return_to_first_step"] = round(stamp("back_at") - stamp("rejoined_at"), 2)
         result["steps_redone_after_return"] = (next_reached(run, changes[1][0]) - changes[1][0]) if len(changes) > 1 else None
+    settings = dict(o.split("=", 1) for o in [*overrides, *os.environ.get("RDZV_CONF", "").split(",")] if "=" in o)
+    result.update({"peer_timeout_s": float(settings.get("launcher.peer_timeout_s", 0)),
+                   "last_call_timeout_s": float(settings.get("last_call_timeout", 30))})  # torch's default: 30 s
     result.update({"largest_relative_difference": worst, "bitwise": bitwise, "samples_identical": samples_same,
                    "tolerance": tolerance})
     result["ok"] = a.name == b.name and worst <= tolerance and samples_same
