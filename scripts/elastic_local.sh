@@ -50,11 +50,7 @@ fi
 . scripts/lib/python.sh
 source scripts/lib/netns.sh
 
-netns_require_root "$0"
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-netns_cleanup
-netns_up
+netns_start "$0"
 WORLD=$((HOSTS * NPROC_PER_HOST))
 LEFT=$(((HOSTS - 1) * NPROC_PER_HOST))
 echo "elastic_local: $HOSTS hosts x $NPROC_PER_HOST ranks, $STRATEGY; host $HOSTS is lost after step $LOSE_AT; runs in $OUT"

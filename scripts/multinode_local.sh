@@ -45,11 +45,7 @@ fi
 . scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 
-netns_require_root "$0"
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-netns_cleanup  # leftovers of an earlier run that was killed with -9
-netns_up
+netns_start "$0"
 echo "multinode_local: $HOSTS hosts ($SUBNET.1-$HOSTS) x $NPROC_PER_HOST ranks; runs in $OUT"
 
 if [ $# -eq 0 ]; then  # a short run unless told otherwise

@@ -34,11 +34,7 @@ fi
 . scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 
-netns_require_root "$0"
-trap netns_cleanup EXIT
-trap 'exit 130' INT TERM
-netns_cleanup
-netns_up
+netns_start "$0"
 for i in $(seq 1 "$HOSTS"); do  # each host's outgoing link: RATE (a queue large enough never to drop)
     ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb limit 32mb \
         || die "cannot shape eth0 with tc's tbf qdisc"

@@ -47,6 +47,13 @@ class Digesting:
     def entry(self) -> dict:
         return {"bytes": self.bytes, "sha256": self._sha.hexdigest()}
 
+    @property
+    def name(self) -> str:
+        return self.file.name
+
+    def __repr__(self) -> str:
+        return f"Digesting({self.file!r})"
+
 
 def describe_files(folder: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
     """{relative path: {"bytes", "sha256"}} for every file under `folder` but the manifest. `known`:

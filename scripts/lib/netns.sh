@@ -2,8 +2,8 @@
 # bridge. Sourced by scripts/multinode_local.sh and scripts/validate_sim.sh.
 #
 #   HOSTS=2 PREFIX=md; source scripts/lib/netns.sh
-#   netns_require_root "$0"      # exit 3 with the reason where namespaces cannot be made
-#   trap netns_cleanup EXIT; netns_cleanup; netns_up
+#   netns_start "$0"             # root or exit 3 with the reason; leftovers removed; the hosts up;
+#                                # everything removed again at exit (trap), whatever happens
 #   netns_torchrun 1 "$name" NPROC script.py args...   # host 1's share of a c10d-rendezvous job
 #   netns_lose_host 2; netns_add_host 2                  # a host gone, and back
 #
@@ -19,6 +19,14 @@ netns_require_root() {
         die "cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $1" 3
     fi
     ip netns del "${PREFIX}probe"
+}
+
+netns_start() {
+    netns_require_root "$1"
+    trap netns_cleanup EXIT
+    trap 'exit 130' INT TERM
+    netns_cleanup  # leftovers of an earlier run that was killed with -9
+    netns_up
 }
 
 netns_cleanup() {
