@@ -66,3 +66,17 @@ def test_a_neighbour_is_watched_from_its_first_beat():
     wait_for(lambda: 0 in lost)
     assert lost.get(0, "").startswith("rank 1 sent no heartbeat"), lost
     vanish(early)
+
+
+def test_a_store_that_stops_answering_ends_the_watch_without_a_loss():
+    """Without torchrun, rank 0's process serves the store: once it has finished, the store is
+    gone, and that is no loss to leave the group for."""
+    class Gone:
+        def set(self, *_):
+            raise RuntimeError("Connection reset by peer")
+
+    lost = {}
+    watch = PeerWatch(Gone(), "t/", 1, 2, 0.5, on_lost=lambda why: lost.setdefault(1, why), interval_s=0.05)
+    watch._thread.start()
+    watch._thread.join(timeout=5)
+    assert not watch._thread.is_alive() and lost == {}

@@ -19,7 +19,9 @@ collective that cannot be interrupted). torchrun then sees its workers fail and 
 group from the hosts that remain (--nnodes MIN:MAX), and the trainer resumes from the latest
 checkpoint at the new world size. The store that carries the beats is served by the
 rendezvous host: that host must be one that survives (as torchrun's c10d rendezvous requires
-anyway); if the store itself stops answering, that is said and the rank exits the same way.
+anyway). If the store itself stops answering, the watch ends (said in the rank's log): without
+torchrun it is rank 0's process that serves it, gone as soon as rank 0 has finished, which is
+no loss; and torchrun's agents notice a lost rendezvous host themselves.
 
 Each rank reads three keys per interval, whatever the world size. A stuck but living rank
 still beats: that is launcher.timeout_s's to catch.
@@ -107,12 +109,17 @@ class PeerWatch:
                                f"{self.peer_timeout_s:g}): its host is gone or cut off")
                         self.store.set(lost_key, why)
                         return self.on_lost(why)
-            except Exception as e:  # noqa: BLE001 - the store itself is gone: the rendezvous host is
-                if self._stop.is_set():
-                    return
-                return self.on_lost(f"the launch's store at {os.environ.get('MASTER_ADDR')}:"
-                                    f"{os.environ.get('MASTER_PORT')} stopped answering ({e.__class__.__name__}: "
-                                    f"{str(e).splitlines()[0][:120] if str(e) else ''}): the rendezvous host is gone")
+            except Exception as e:  # noqa: BLE001 - the store itself is gone: nothing left to watch with
+                # Not a loss to act on: where rank 0's process serves the store (no torchrun), it is
+                # gone once rank 0 has finished; where the rendezvous host is gone, torchrun's agents
+                # find that out themselves. The collectives' timeout still stands.
+                if not self._stop.is_set():
+                    from minidist.dist import get_logger
+
+                    get_logger().info(f"peer watch: the launch's store at {os.environ.get('MASTER_ADDR')}:"
+                                      f"{os.environ.get('MASTER_PORT')} stopped answering ({e.__class__.__name__}); "
+                                      "no more heartbeats")
+                return
             self._stop.wait(self.interval_s)
 
     def stop(self) -> None:
