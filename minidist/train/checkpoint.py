@@ -226,12 +226,12 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
         except OSError as e:
             error = e
     if _any_rank(error is not None):
-        written = folder_bytes(tmp) if tmp.is_dir() else 0
+        partial_bytes = folder_bytes(tmp) if tmp.is_dir() else 0
         comm.barrier()  # every rank has measured the folder before it goes
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
         comm.barrier()
-        raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, written, step)) from error
+        raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, partial_bytes, step)) from error
     if rank == 0 and keep_last is not None:
         prune(run_dir, keep_last)
     comm.barrier()

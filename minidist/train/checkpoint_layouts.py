@@ -230,7 +230,9 @@ class Distributed:
         return dcp_files.saved_shapes(Path(ckpt) / DCP, "model.")
 
     def consolidate(self, ckpt: Path, meta: dict) -> dict:
-        model = self.portable(ckpt, meta, [])[0]
+        from minidist.train import dcp_files
+
+        model = dcp_files.read_full(Path(ckpt) / DCP, only={"model"})["model"]  # the optimizer's state unread
         return {key: model[key] for key in load_tensors(Path(ckpt) / LAYOUT)["order"]}
 
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:

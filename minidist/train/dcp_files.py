@@ -3,7 +3,7 @@ running code: the native_fsdp / native_hsdp checkpoints (checkpoint_layouts.Dist
 
     save(state, folder)                  # a collective: each rank writes its own shards, no gather
     load_into(state, folder)             # a collective: fills `state` (DTensors re-cut at any world size)
-    read_full(folder)                    # no process group: the whole nested state, plain tensors
+    read_full(folder, only={"model"})    # no process group: the nested state (or its model), plain tensors
     saved_shapes(folder)                 # {key: shape} from the metadata alone
 
 DCP's reader unpickles `.metadata` with pickle.load and the non-tensor items (param_groups' lr,
@@ -128,17 +128,20 @@ def load_into(state: dict, folder: Path) -> None:
     _refusals_raised(lambda: dcp.load(state, storage_reader=_reader(folder), planner=_safe_bytes(DefaultLoadPlanner)()))
 
 
-def read_full(folder: Path) -> dict:
-    """The whole state `folder` holds, as plain tensors and values, in this process alone."""
+def read_full(folder: Path, only: set[str] | None = None) -> dict:
+    """The whole state `folder` holds (`only`: just these top-level keys, e.g. {"model"}), as
+    plain tensors and values, in this process alone."""
     # DCP's own planner that builds the state from the metadata, and the loader that fills the dict
     # it is given (dcp.load fills a copy): what torch's format_utils.dcp_to_torch_save uses.
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    _refusals_raised(lambda: _load_state_dict(state, storage_reader=_reader(folder),
-                                              planner=_safe_bytes(_EmptyStateDictLoadPlanner)(), no_dist=True))
+    with warnings.catch_warnings():  # no process group is the point here, not a mistake to warn of
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        _refusals_raised(lambda: _load_state_dict(state, storage_reader=_reader(folder),
+                                                  planner=_safe_bytes(_EmptyStateDictLoadPlanner)(keys=only),
+                                                  no_dist=True))
     return state
 
 
