@@ -8,7 +8,9 @@ Funnelling every call through here buys one thing: `CommTracer` sees all
 communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
 rank" are measured, not computed from formulas.
 
-all_reduce, all_gather_into and reduce_scatter_tensor also take `algorithm`:
+all_reduce, all_gather_into and reduce_scatter_tensor also take `wire_dtype`: what travels
+(bf16, fp16 or block-scaled int8), summed in fp32 on the receiving rank (wire.py); the tracer
+records the wire's bytes. And `algorithm`:
 "backend" (torch.distributed's), "ring" (ours, built from isend/irecv: ring.py) or
 "auto" (the ring where it measurably beats the backend — gloo's reduce_scatter and
 all_gather — the backend elsewhere). Either way the call is traced once.
@@ -30,6 +32,8 @@ import torch.distributed as dist
 
 from minidist.comm import check as _checks
 from minidist.comm import ring
+from minidist.comm import wire as _wire
+from minidist.comm.wire import Wire  # noqa: F401  (public API)
 from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
 from minidist.timing import Span
 
@@ -326,8 +330,15 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
-               algorithm: str = "backend") -> Handle | None:
-    """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring."""
+               algorithm: str = "backend", wire_dtype=None) -> Handle | None:
+    """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring.
+    wire_dtype (sum only): what travels (bf16, fp16, int8 with block scales: wire.py), summed in fp32."""
+    wire = _wire_for_sum("all_reduce", op, wire_dtype)
+    if wire is not None:
+        n = dist.get_world_size(group)
+        rec = _record("all_reduce", n * wire.chunk_bytes(-(-tensor.numel() // n)), wire.label, group, async_op,
+                      algorithm=_wire_transport(group, tensor))
+        return _finish(_wire.all_reduce(tensor, wire, group, async_op), rec, async_op)
     algorithm = _ring_for_sum("all_reduce", op, group, algorithm, tensor)
     rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
@@ -341,6 +352,18 @@ def max_over_ranks(value: float, group=None) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=control_device(group))
     all_reduce(t, op=ReduceOp.MAX, group=group)
     return t.item()
+
+
+def _wire_for_sum(op_name: str, op, wire_dtype) -> "_wire.Wire | None":
+    wire = _wire.as_wire(wire_dtype)
+    if wire is not None and op != ReduceOp.SUM:
+        raise ValueError(f"a {op_name} with wire_dtype sums only; for {op} leave wire_dtype=None")
+    return wire
+
+
+def _wire_transport(group, t: torch.Tensor) -> str:
+    """How a wire collective's bytes travel: "ring" (our send/recv) or "backend" (wire.py)."""
+    return "ring" if _wire.runs_on_ring(group, t.device) else "backend"
 
 
 def _ring_for_sum(op_name: str, op, group, algorithm: str, tensor: torch.Tensor) -> str:
@@ -358,9 +381,15 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
-                    async_op: bool = False, algorithm: str = "backend") -> Handle | None:
+                    async_op: bool = False, algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Gather every rank's `input` into the flat `output` (world_size * input.numel()).
-    algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins)."""
+    algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins).
+    wire_dtype: what travels (wire.py); every chunk, this rank's too, is what the wire delivered."""
+    wire = _wire.as_wire(wire_dtype)
+    if wire is not None:
+        rec = _record("all_gather", dist.get_world_size(group) * wire.chunk_bytes(input.numel()), wire.label,
+                      group, async_op, algorithm=_wire_transport(group, input))
+        return _finish(_wire.all_gather(output, input, wire, group, async_op), rec, async_op)
     algorithm = choose_algorithm("all_gather", group, algorithm, _nbytes(output), output.device)
     rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
@@ -376,9 +405,15 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
-                          async_op: bool = False, algorithm: str = "backend") -> Handle | None:
+                          async_op: bool = False, algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
-    algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins)."""
+    algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins).
+    wire_dtype (sum only): each input rounded to it once, the chunks summed in fp32 (wire.py)."""
+    wire = _wire_for_sum("reduce_scatter", op, wire_dtype)
+    if wire is not None:
+        rec = _record("reduce_scatter", dist.get_world_size(group) * wire.chunk_bytes(output.numel()), wire.label,
+                      group, async_op, algorithm=_wire_transport(group, input))
+        return _finish(_wire.reduce_scatter(output, input, wire, group, async_op), rec, async_op)
     algorithm = _ring_for_sum("reduce_scatter", op, group, algorithm, input)
     rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":

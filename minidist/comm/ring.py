@@ -106,7 +106,7 @@ span_listeners: list = []  # callables(label, start_s, end_s), told of every rin
 _order_lock = threading.Lock()
 
 
-def _run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
+def run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
     """Run fn in issue order: on the worker thread, or, for a synchronous call with nothing
     queued, right here (no thread hop). A synchronous call never overtakes an asynchronous
     one still in flight: their messages share the tag and would cross.
@@ -139,7 +139,7 @@ def _run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
 
 def drain() -> None:
     """Return once every ring call issued so far has finished (minidist.shutdown() calls it)."""
-    _run(lambda: None, async_op=False)  # queued behind them all, or inline when nothing is queued
+    run(lambda: None, async_op=False)  # queued behind them all, or inline when nothing is queued
 
 
 def _global(group, k: int) -> int:
@@ -159,7 +159,7 @@ def sends_direct(op: str, chunk_bytes: int, n: int) -> bool:
     return n > 2 and chunk_bytes < DIRECT_BELOW_BYTES[op]  # at n = 2 both schedules are the same one step
 
 
-def _exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
+def exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group) -> None:
     """Every listed transfer at once: recvs[q] from rank q, sends[q] to rank q (group ranks)."""
     works = [dist.irecv(t, _global(group, q), group=group, tag=RING_TAG) for q, t in recvs.items()]
     works += [dist.isend(t, _global(group, q), group=group, tag=RING_TAG) for q, t in sends.items()]
@@ -198,7 +198,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, piece_byte
     if sends_direct("reduce_scatter", m * input.element_size(), n):
         others = [q for q in range(n) if q != r]
         got = {q: torch.empty(m, dtype=input.dtype, device=input.device) for q in others}
-        _exchange_all({q: chunks[q] for q in others}, got, group)
+        exchange_all({q: chunks[q] for q in others}, got, group)
         got[r] = chunks[r]
         total = got[(r + 1) % n].clone()  # the ring's order: from rank r+1 round to rank r
         for k in range(2, n + 1):
@@ -230,7 +230,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: i
         return
     if sends_direct("all_gather", m * input.element_size(), n):
         others = [q for q in range(n) if q != r]
-        _exchange_all({q: chunks[r] for q in others}, {q: chunks[q] for q in others}, group)
+        exchange_all({q: chunks[r] for q in others}, {q: chunks[q] for q in others}, group)
         return
     pieces = _pieces(m, input.element_size(), piece_bytes)
     for s in range(n - 1):
@@ -268,16 +268,21 @@ def _check(op: str, flat: torch.Tensor, part: torch.Tensor, group) -> None:
 def reduce_scatter_tensor(output, input, group=None, async_op=False, piece_bytes=None):
     """Rank r receives the sum over ranks of chunk r of the flat `input` (n * output.numel())."""
     _check("reduce_scatter", input, output, group)
-    return _run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op,
+    return run(lambda: _reduce_scatter(output, input, group, piece_bytes or PIECE_BYTES), async_op,
                 "ring:reduce_scatter")
 
 
 def all_gather_into(output, input, group=None, async_op=False, piece_bytes=None):
     """Every rank's `input` into the flat `output` (n * input.numel()), in rank order."""
     _check("all_gather", output, input, group)
-    return _run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_gather")
+    return run(lambda: _all_gather(output, input, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_gather")
+
+
+def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group) -> None:
+    """all_gather on the calling thread (for a job already running in issue order: wire.py)."""
+    _all_gather(output, input, group, PIECE_BYTES)
 
 
 def all_reduce(tensor, group=None, async_op=False, piece_bytes=None):
     """Sum `tensor` over ranks in place (ring reduce_scatter, then ring all_gather)."""
-    return _run(lambda: _all_reduce(tensor, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_reduce")
+    return run(lambda: _all_reduce(tensor, group, piece_bytes or PIECE_BYTES), async_op, "ring:all_reduce")
