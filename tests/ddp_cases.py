@@ -145,7 +145,7 @@ def max_rel_diff(a: dict, b: dict) -> tuple[float, str]:
 
 def compare_with_native(model="mlp", optim="sgd", steps=10, accumulate=1, bucket_cap_mb=25.0,
                         gradient_as_bucket_view=False, find_unused=False, single=True,
-                        comm_hook=None):
+                        comm_hook=None, grad_wire=None):
     """One rank's part: returns how far ours is from native DDP and from the single process."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -160,7 +160,7 @@ def compare_with_native(model="mlp", optim="sgd", steps=10, accumulate=1, bucket
     ours_inner = perturbed(base, rank)
     ours = minidist.DataParallel(ours_inner, bucket_cap_mb=bucket_cap_mb,
                                  gradient_as_bucket_view=gradient_as_bucket_view,
-                                 find_unused_parameters=find_unused, comm_hook=comm_hook)
+                                 find_unused_parameters=find_unused, comm_hook=comm_hook, grad_wire=grad_wire)
     ours_sd = train(ours, ours_inner, model, optim, steps, accumulate, rank, n, ours.no_sync)
 
     result = {

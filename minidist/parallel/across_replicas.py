@@ -28,8 +28,8 @@ from minidist import comm
 class ReplicaReduce:
     """Sum reduced shards over `group` (the mesh's replicate group), each after its reduce_scatter."""
 
-    def __init__(self, group, algorithm: str = "auto"):
-        self.group, self.algorithm = group, algorithm
+    def __init__(self, group, algorithm: str = "auto", wire=None):
+        self.group, self.algorithm, self.wire = group, algorithm, wire  # wire: what travels (comm.wire)
         self._queue: list[_ThenAcrossReplicas] = []
         self._side_stream = None  # CUDA: where the all_reduces wait for their reduce_scatters
 
@@ -42,7 +42,8 @@ class ReplicaReduce:
             self._side_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # `tensor` is ready there
             with torch.cuda.stream(self._side_stream):
                 handle.wait_on_stream()  # the side stream, not the computation, waits for the reduce_scatter
-                chained.second = comm.all_reduce(tensor, group=self.group, async_op=True, algorithm=self.algorithm)
+                chained.second = comm.all_reduce(tensor, group=self.group, async_op=True, algorithm=self.algorithm,
+                                                 wire_dtype=self.wire)
             return chained
         self.progress()
         self._queue.append(chained)
@@ -62,7 +63,8 @@ class ReplicaReduce:
 
     def _start(self, chained: "_ThenAcrossReplicas") -> None:
         chained.first.wait()
-        chained.second = comm.all_reduce(chained.tensor, group=self.group, async_op=True, algorithm=self.algorithm)
+        chained.second = comm.all_reduce(chained.tensor, group=self.group, async_op=True, algorithm=self.algorithm,
+                                         wire_dtype=self.wire)
 
 
 class _ThenAcrossReplicas:

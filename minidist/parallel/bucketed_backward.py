@@ -19,6 +19,7 @@ import time
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from minidist import comm
 from minidist.buckets import Bucket
@@ -201,10 +202,16 @@ class BucketedBackward:
             self.reducer._on_first_backward_done(list(self._ready_order))
 
     def _used_anywhere(self) -> list[bool]:
-        """Which parameters got a gradient on at least one rank (one small all_reduce)."""
-        if self.world_size == 1:
-            return list(self.used)
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
-        used = torch.tensor(self.used, dtype=torch.int32, device=device)
-        comm.all_reduce(used, group=self.process_group)
-        return used.bool().tolist()
+        return used_on_any_rank(self.used, self.process_group, device)
+
+
+def used_on_any_rank(used_here: list[bool], group, device: torch.device) -> list[bool]:
+    """Which parameters got a gradient on at least one rank of `group` (one small all_reduce of
+    int32 flags on `device`; every rank must call it). DataParallel and ShardedDataParallel both
+    ask it under find_unused_parameters."""
+    if dist.get_world_size(group) == 1:
+        return list(used_here)
+    flags = torch.tensor(used_here, dtype=torch.int32, device=device)
+    comm.all_reduce(flags, group=group)
+    return flags.bool().tolist()

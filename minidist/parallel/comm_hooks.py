@@ -46,6 +46,18 @@ def _compress_hook(dtype: torch.dtype):
 fp16_compress_hook = _compress_hook(torch.float16)
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 
+class WireAllReduce:
+    """Comm hook: the bucket all_reduced with `wire` on the wire and full-precision sums
+    (minidist.comm.wire): DataParallel(grad_wire=...)."""
+
+    def __init__(self, wire):
+        self.wire = wire
+        self.__name__ = f"{wire.label}_wire"
+
+    def __call__(self, bucket: Bucket):
+        return comm.all_reduce(bucket.buffer, group=bucket.process_group, async_op=True, wire_dtype=self.wire)
+
+
 BUILTIN_HOOKS = {"allreduce": allreduce_hook, "fp16": fp16_compress_hook, "bf16": bf16_compress_hook}
 
 

@@ -44,7 +44,8 @@ from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.buffer_sync import BufferSync
-from minidist.parallel.comm_hooks import BUILTIN_HOOKS, allreduce_hook
+from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
+from minidist.parallel.comm_hooks import BUILTIN_HOOKS, WireAllReduce, allreduce_hook
 from minidist.parallel.join import FORWARD, final_sync, global_rank
 from minidist.parallel.native_args import (check_devices, check_materialised, check_not_wrapped, mark_wrapped,
                                            process_group_of, refuse_unknown)
@@ -114,7 +115,13 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             forward whose previous forward synchronised gradients (native DDP's rule: once
             per optimizer step under no_sync accumulation; see buffer_sync.py).
         comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16",
-            "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)).
+            "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)). "bf16" and "fp16"
+            are native DDP's compression hooks: the all_reduce runs on the cast copy, so every partial
+            sum is rounded too.
+        grad_wire: what the gradients travel as, summed in full precision (None: their own dtype;
+            "bf16", "fp16", "int8": block-scaled, `quant_block` elements per fp32 scale). Each rank's
+            gradient / N is rounded to it once, each chunk's sum once more before it is gathered
+            (minidist.comm.wire); not with a comm_hook.
         process_group: the group to reduce over (default: the world); or device_mesh, a 1-D
             torch DeviceMesh standing for its group.
 
@@ -130,7 +137,8 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                  overlap: bool = True, gradient_as_bucket_view: bool = False,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  comm_hook: Callable | str | None = None, process_group=None, init_sync: bool = True,
-                 static_graph: bool = False, check_reduction: bool = False, device_mesh=None, **native_only):
+                 static_graph: bool = False, check_reduction: bool = False, device_mesh=None, grad_wire=None,
+                 quant_block: int = QUANT_BLOCK, **native_only):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs a process group: call minidist.init_distributed() first")
@@ -155,6 +163,12 @@ class DataParallel(GradientSyncSwitch, nn.Module):
                 raise ValueError(f"unknown comm_hook {comm_hook!r}; choose from "
                                  f"{sorted([*BUILTIN_HOOKS, 'powersgd'])} or pass a callable")
             comm_hook = BUILTIN_HOOKS[comm_hook]
+        if grad_wire is not None:
+            if comm_hook not in (None, allreduce_hook):
+                raise ValueError(f"DataParallel: grad_wire={grad_wire!r} chooses how the all_reduce sends gradients, "
+                                 f"which comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} replaces: give one "
+                                 "of them")
+            comm_hook = WireAllReduce(Wire(as_wire(grad_wire).name, block=int(quant_block)))
         self.comm_hook = comm_hook or allreduce_hook
         self._cap_bytes = int(bucket_cap_mb * MiB)
         self._first_cap_bytes = int(first_bucket_mb * MiB)

@@ -56,9 +56,10 @@ class FlatShard:
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
                  world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
-                 algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1):
+                 algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1, wire=None):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
         self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
+        self.wire = wire  # what the parameters travel as in gather_full (None: the compute dtype; comm.wire)
         self.params = params
         first = params[0]
         self.device = first.device
@@ -80,8 +81,9 @@ class FlatShard:
                 values[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
             self.full = values.to(self.compute_dtype) if self.compute_dtype != self.master_dtype else values
             # Stages 1-2 in full precision: the master shard *is* the owned slice of the
-            # parameters (no copy). Otherwise it is a separate fp32 tensor.
-            if keep_full and self.compute_dtype == self.master_dtype:
+            # parameters (no copy). Otherwise it is a separate fp32 tensor: also under a wire
+            # format, whose rounded values the gather writes into every slice of `full`.
+            if keep_full and self.compute_dtype == self.master_dtype and wire is None:
                 self.master = self.full[self.lo:self.hi]
             else:
                 self.master = values[self.lo:self.hi].clone()
@@ -154,10 +156,15 @@ class FlatShard:
         self.full.untyped_storage().resize_(0)
 
     def gather_full(self, async_op: bool = False):
-        """all_gather every rank's master shard (cast to the compute dtype) into `full`."""
+        """all_gather every rank's master shard (cast to the compute dtype) into `full`: the one
+        parameter gather of every stage. With a wire format, the master shard is encoded straight
+        from fp32 and every slice of `full`, this rank's too, holds what the wire delivered."""
         if not self.is_materialised:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
         with torch.no_grad():
+            if self.wire is not None:
+                return comm.all_gather_into(self.full, self.master.detach(), group=self.group, async_op=async_op,
+                                            wire_dtype=self.wire)
             own = self.full[self.lo:self.hi]
             if own.data_ptr() != self.master.data_ptr():
                 own.copy_(self.master)  # cast fp32 master -> compute dtype

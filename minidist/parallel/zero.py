@@ -41,23 +41,33 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from minidist import comm
+from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
 from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.memory import measure, optimizer_tensors
-from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
+from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch, used_on_any_rank
 from minidist.parallel.buffer_sync import BufferSync
 from minidist.parallel.eager import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard, order_by_group
+from minidist.parallel.grad_reduce import ShardedGradReduce
 from minidist.parallel.module_state import ModuleStateHooks, plain_module
 from minidist.parallel.native_args import (check_materialised, check_not_wrapped, check_reshard_after_forward,
                                            is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
                                            refuse_unknown)
-from minidist.parallel.across_replicas import ReplicaReduce
 from minidist.parallel.scaler_agreement import FoundInfAgreement
 from minidist.parallel.shard_optimizer import ShardOptimizer, parameter_groups
 from minidist.parallel.sharded_format import FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces
 from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.zero_join import ShardedJoin
+
+
+def wire_option(value, block: int, what: str) -> Wire | None:
+    """grad_wire / param_wire as given (None, a format name, a dtype or a Wire), with quant_block."""
+    try:
+        wire = as_wire(value)
+        return None if wire is None else Wire(wire.name, block=int(block))
+    except ValueError as e:
+        raise ValueError(f"ShardedDataParallel({what}={value!r}): {e}") from None
 
 
 class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
@@ -98,6 +108,15 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             "ring" (minidist.comm.ring, built from send/recv; gloo only) or "auto" (the ring
             where it measurably wins: gloo's reduce_scatter, gloo's all_gather from 4 MiB;
             the backend's everywhere else, nccl always: minidist.comm.choose_algorithm).
+        grad_wire: what the gradients travel as (None: reduce_dtype; "bf16", "fp16", "int8": block-
+            scaled int8, ZeRO++'s qgZ). Each rank's gradient / N is rounded to it once; the chunks are
+            summed in full precision on the rank that owns them (minidist.comm.wire), within the
+            shard group and again across the replicas. The master shards get the sum, never rounded.
+        param_wire: what the parameters travel as in every all_gather of the updated shards (None:
+            the compute dtype; "bf16", "int8": ZeRO++'s qwZ). The fp32 master shards the optimizer
+            steps are never rounded; the module's parameters (what forward and backward compute
+            with) are the values the wire delivered, the same on every rank.
+        quant_block: the int8 wires' block size (one fp32 scale per block; default 256, as ZeRO++).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a forward
             whose previous forward synchronised gradients, as DataParallel and native DDP do.
         max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
@@ -134,7 +153,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     def _setup_common(self, module: nn.Module, optimizer, stage: int, process_group,
                       param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                       max_inflight: int, broadcast_buffers: bool, collectives: str, mesh=None,
-                      mp_policy=None) -> list:
+                      mp_policy=None, wires: tuple = (None, None, QUANT_BLOCK)) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
         check_materialised(module, "ShardedDataParallel")
@@ -175,11 +194,16 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.dp_group = None if mesh is not None else process_group
         self.dp_size = dist.get_world_size(self.dp_group)
         self.source_rank = dist.get_global_rank(self.dp_group, 0) if self.dp_group is not None else 0
-        # HSDP's second level: each reduced shard is summed across the replicas (across_replicas.py).
-        self._replicas = ReplicaReduce(mesh.replicate_group, collectives) if mesh is not None and \
-            mesh.replicate > 1 else None
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
+        self.grad_wire, self.param_wire = (wire_option(w, wires[2], what) for w, what in
+                                           ((wires[0], "grad_wire"), (wires[1], "param_wire")))
+        # The one gradient reduction every stage performs (grad_reduce.py); with a mesh, each reduced
+        # shard is then summed across the replicas (HSDP's second level, across_replicas.py).
+        self._grad_reduce = ShardedGradReduce(
+            dp_size=self.dp_size, group=self.process_group, dtype=self.reduce_dtype, algorithm=collectives,
+            replicate_group=mesh.replicate_group if mesh is not None and mesh.replicate > 1 else None,
+            wire=self.grad_wire)
         device = next((p.device for p in module.parameters()), None)
         comm.choose_algorithm("reduce_scatter", self.process_group, collectives, device=device)  # raises on a bad choice
         self.collectives = collectives
@@ -192,7 +216,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         ids = order_by_group(ids, self._group_of)
         shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
                           world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
-                          keep_full=keep_full, algorithm=self.collectives,
+                          keep_full=keep_full, algorithm=self.collectives, wire=self.param_wire,
                           groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups))
         return shard, ids
 
@@ -222,13 +246,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
 
     def _flags_all_reduce(self, used_here: list[bool]) -> list[bool]:
         """Which parameters got a gradient on at least one data-parallel rank (one small all_reduce)."""
-        flags = torch.tensor(used_here, dtype=torch.int32, device=self._shards[0].device)
-        comm.all_reduce(flags, group=self.dp_group)
-        return flags.bool().tolist()
-
-    def _across_replicas(self, handle, reduced: torch.Tensor):
-        """With a mesh: chain the all_reduce of `reduced` across the replicas behind `handle`."""
-        return handle if self._replicas is None else self._replicas.after(handle, reduced)
+        return used_on_any_rank(used_here, self.dp_group, self._shards[0].device)
 
     def _make_optimizer(self, optimizer) -> None:
         # Once the parameters are views into the flat shards (their compute dtype): after each synced
@@ -468,14 +486,18 @@ class ShardBucket(Bucket):
 
 
 class ZeroStage12(ShardedDataParallel):
-    """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket."""
+    """Stages 1 and 2: full parameters on every rank, gradients reduce_scattered per bucket.
+
+    What differs between them is where a bucket's full-size gradients live, which ZeroStage1 and
+    ZeroStage2 say (_allocate, _release, _reduced_slice, _before_backward); the reduction itself
+    is the one every stage shares (grad_reduce.py)."""
 
     def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool | None = None, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  max_inflight: int = 2, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = False,
-                 **unused):
+                 grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, **unused):
         nn.Module.__init__(self)
         stage3 = {"unit_policy", "min_unit_params", "prefetch"}
         if unused and set(unused) <= stage3:
@@ -486,12 +508,10 @@ class ZeroStage12(ShardedDataParallel):
         check_reshard_after_forward(reshard_after_forward, stage)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if stage == 1 and overlap:
-            raise ValueError("ShardedDataParallel(stage=1) does not take overlap=True: stage 1 keeps full-size "
-                             "gradients and reduce_scatters them after backward. Use stage=2 to reduce during "
-                             "backward.")
+        overlap = self._overlap(overlap)
         self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy)
+                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy,
+                           wires=(grad_wire, param_wire, quant_block))
         cap = int(bucket_cap_mb * MiB)
         plan = plan_buckets(self._params, list(reversed(range(len(self._params)))), cap, min(cap, MiB))
         self._shards, buckets = [], []
@@ -502,23 +522,18 @@ class ZeroStage12(ShardedDataParallel):
             bucket.shard = shard
             self._shards.append(shard)
             buckets.append(bucket)
-            if stage == 1:
-                self._allocate(bucket)  # stage 1 keeps full-size gradients all the time
-        # Stage 1 reduces after backward; stage 2 as buckets fill (unless overlap=False).
+        self._after_buckets(buckets)
         # Without find_unused_parameters, a parameter without gradient raises when backward ends
         # (BucketedBackward); with it, it contributes zeros to its bucket and _check_used decides.
         self._backward = BucketedBackward(self, self._names, self._params, buckets, world_size=self.world_size,
-                                          process_group=self.process_group,
-                                          overlap=(stage == 2 and overlap is not False),
+                                          process_group=self.process_group, overlap=overlap,
                                           find_unused_parameters=find_unused_parameters,
                                           flag_unused_anywhere=False)
-        self._stash: dict[int, torch.Tensor] = {}
+        self._stash: dict[int, torch.Tensor] = {}  # stage 1: gradients kept from before this backward
         # Updated parameters are gathered asynchronously after optimizer.step(); a module's
         # forward waits only for the buckets holding its own parameters (see _after_optimizer_step).
         self._pending_gathers: dict[int, object] = {}
         self._watch_parameter_use()
-        # Stage 2's full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
-        self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
         self._make_optimizer(optimizer)
 
     def forward(self, *args, **kwargs):
@@ -547,21 +562,24 @@ class ZeroStage12(ShardedDataParallel):
             if handle is not None:
                 handle.wait()
 
-    # -- gradient buffers
+    # -- where a bucket's full-size gradients live (the stage's part)
+    def _overlap(self, overlap: bool | None) -> bool:
+        """Whether buckets are reduced as they fill, given the constructor's `overlap`."""
+        raise NotImplementedError
+
+    def _after_buckets(self, buckets: list[ShardBucket]) -> None:
+        """The buckets exist: set up what holds their full-size gradients."""
+
     def _allocate(self, bucket: ShardBucket) -> None:
-        shard = bucket.shard
-        if self.stage == 1:
-            bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
-        else:
-            self._limit_inflight()
-            bucket.buffer = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
-            bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
-        bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
+        """Give `bucket` its full-size gradient buffer and the slot views into it."""
+        raise NotImplementedError
 
     def _release(self, bucket: ShardBucket) -> None:
-        if bucket.buffer is not None:  # may already be back in the pool (_limit_inflight)
-            self._pool.put(bucket.buffer)
-            bucket.buffer, bucket.views = None, []
+        """The bucket's reduction is done: its full-size buffer may go."""
+
+    def _reduced_slice(self, bucket: ShardBucket) -> torch.Tensor | None:
+        """Where the bucket's reduce_scatter writes this rank's slice (None: a new tensor)."""
+        return None
 
     @property
     def _buckets(self) -> list[ShardBucket]:
@@ -574,60 +592,26 @@ class ZeroStage12(ShardedDataParallel):
 
     # -- what the BucketedBackward does with a bucket (a BucketReducer)
     def _before_backward(self) -> None:
-        if self.stage == 1:
-            # The reduced gradient of stage 1 is a view into the bucket, which this backward
-            # overwrites: keep a copy if the user is accumulating across optimizer steps.
-            for k, shard in enumerate(self._shards):
-                grad = shard.take_grad()
-                if grad is not None:
-                    self._stash[k] = grad
+        pass
 
     def _fill_slot(self, i: int, bucket: ShardBucket, k: int) -> None:
         if bucket.buffer is None:
             self._allocate(bucket)
-        p, view = self._params[i], bucket.views[k]
-        if local_grad(p) is None:
-            view.zero_()
-        else:
-            torch.mul(p.grad, 1.0 / self.dp_size, out=view)  # the average over every data-parallel rank
+        p = self._params[i]
+        grad = local_grad(p)
+        self._grad_reduce.fill(bucket.views[k], grad)
+        if grad is not None:
             p.grad = None  # the bucket holds it now; the full-size gradient is freed
 
     def _launch(self, bucket: ShardBucket):
-        shard = bucket.shard
-        if self.stage == 1:
-            bucket.reduced = bucket.buffer[shard.lo:shard.hi]  # in place: slice r of the bucket
-        else:
-            bucket.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
-            self._release_completed()
-        handle = comm.reduce_scatter_tensor(bucket.reduced, bucket.buffer, group=self.process_group, async_op=True,
-                                            algorithm=self.collectives)
-        return self._across_replicas(handle, bucket.reduced)
-
-    def _limit_inflight(self) -> None:
-        # Before taking another full-size buffer, let the oldest launched reductions finish.
-        while True:
-            inflight = [b for b in self._backward.launched_buckets() if b.buffer is not None]
-            if len(inflight) < self.max_inflight:
-                return
-            inflight[0].handle.wait()
-            self._release(inflight[0])
-
-    def _release_completed(self) -> None:
-        # Stage 2: a full-size bucket is dropped as soon as its reduce_scatter is done.
-        for bucket in self._backward.launched_buckets():
-            if bucket.buffer is not None and bucket.handle is not None and bucket.handle.is_completed():
-                bucket.handle.wait()
-                self._release(bucket)
+        handle, bucket.reduced = self._grad_reduce.launch(bucket.shard, bucket.buffer, self._reduced_slice(bucket))
+        return handle
 
     def _after_backward(self, used_anywhere) -> None:
         for k, (bucket, shard) in enumerate(zip(self._buckets, self._shards)):
-            grad = bucket.reduced.to(shard.master.dtype)  # no copy when dtypes match
+            self._grad_reduce.finish(shard, bucket.reduced, self._stash.pop(k, None))
             bucket.reduced = None
-            if k in self._stash:
-                grad = grad + self._stash.pop(k)
-            shard.add_grad(grad)
-            if self.stage == 2:
-                self._release(bucket)
+            self._release(bucket)
         self._gradients_ready()
         self._check_used(self._backward.used)  # this rank's flags (flag_unused_anywhere=False)
 
@@ -645,12 +629,87 @@ class ZeroStage12(ShardedDataParallel):
         to read the module's parameters between optimizer.step() and the next forward."""
         self._wait_gathers(list(self._pending_gathers))
 
+
+class ZeroStage1(ZeroStage12):
+    """Stage 1: each bucket keeps its full-size gradient buffer for good and is reduce_scattered in
+    place after backward; only the optimizer state is sharded."""
+
+    def _overlap(self, overlap: bool | None) -> bool:
+        if overlap:
+            raise ValueError("ShardedDataParallel(stage=1) does not take overlap=True: stage 1 keeps full-size "
+                             "gradients and reduce_scatters them after backward. Use stage=2 to reduce during "
+                             "backward.")
+        return False
+
+    def _after_buckets(self, buckets: list[ShardBucket]) -> None:
+        for bucket in buckets:
+            self._allocate(bucket)  # full-size gradients all the time
+
+    def _allocate(self, bucket: ShardBucket) -> None:
+        shard = bucket.shard
+        bucket.buffer = torch.zeros(shard.padded, dtype=self.reduce_dtype, device=shard.device)
+        bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
+
+    def _reduced_slice(self, bucket: ShardBucket) -> torch.Tensor:
+        return bucket.buffer[bucket.shard.lo:bucket.shard.hi]  # in place: slice r of the bucket
+
+    def _before_backward(self) -> None:
+        # The reduced gradient is a view into the bucket, which this backward overwrites: keep a
+        # copy if the user is accumulating across optimizer steps.
+        for k, shard in enumerate(self._shards):
+            grad = shard.take_grad()
+            if grad is not None:
+                self._stash[k] = grad
+
     def _gradient_tensors(self) -> list[torch.Tensor]:
-        full = [b.buffer for b in self._buckets if b.buffer is not None] if self.stage == 1 else []
-        return full + super()._gradient_tensors()
+        return [b.buffer for b in self._buckets if b.buffer is not None] + super()._gradient_tensors()
+
+
+class ZeroStage2(ZeroStage12):
+    """Stage 2: full-size gradient buffers come from a pool as buckets fill during backward and go
+    back as soon as their reduce_scatter is done; gradients exist sharded only."""
+
+    def _overlap(self, overlap: bool | None) -> bool:
+        return overlap is not False
+
+    def _after_buckets(self, buckets: list[ShardBucket]) -> None:
+        # Full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
+        self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
+
+    def _allocate(self, bucket: ShardBucket) -> None:
+        shard = bucket.shard
+        self._limit_inflight()
+        bucket.buffer = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
+        bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
+        bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
+
+    def _release(self, bucket: ShardBucket) -> None:
+        if bucket.buffer is not None:  # may already be back in the pool (_limit_inflight)
+            self._pool.put(bucket.buffer)
+            bucket.buffer, bucket.views = None, []
+
+    def _launch(self, bucket: ShardBucket):
+        self._release_completed()
+        return super()._launch(bucket)
+
+    def _limit_inflight(self) -> None:
+        # Before taking another full-size buffer, let the oldest launched reductions finish.
+        while True:
+            inflight = [b for b in self._backward.launched_buckets() if b.buffer is not None]
+            if len(inflight) < self.max_inflight:
+                return
+            inflight[0].handle.wait()
+            self._release(inflight[0])
+
+    def _release_completed(self) -> None:
+        # A full-size bucket is dropped as soon as its reduce_scatter is done.
+        for bucket in self._backward.launched_buckets():
+            if bucket.buffer is not None and bucket.handle is not None and bucket.handle.is_completed():
+                bucket.handle.wait()
+                self._release(bucket)
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()
 
 
-ShardedDataParallel._stages.update({1: ZeroStage12, 2: ZeroStage12})
+ShardedDataParallel._stages.update({1: ZeroStage1, 2: ZeroStage2})

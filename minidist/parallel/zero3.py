@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minidist import comm
 from minidist.buckets import BufferPool
+from minidist.comm.wire import QUANT_BLOCK
 from minidist.parallel.eager import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
 from minidist.parallel.native_args import check_reshard_after_forward, refuse_unknown
@@ -126,7 +126,7 @@ class ZeroStage3(ShardedDataParallel):
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
                  overlap: bool | None = None, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = None,
-                 **unused):
+                 grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, **unused):
         nn.Module.__init__(self)
         refuse_unknown("ShardedDataParallel", unused)
         # FSDP2's ZeRO-2-like mode when False: each unit stays gathered from its forward to its backward.
@@ -143,7 +143,8 @@ class ZeroStage3(ShardedDataParallel):
                 "line up (native FSDP2 has the same restriction). Use stage 1 or 2, or set "
                 "requires_grad=False on parameters no rank uses.")
         self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
-                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy)
+                           max_inflight, broadcast_buffers, collectives, mesh, mp_policy,
+                           wires=(grad_wire, param_wire, quant_block))
         self.find_unused_parameters = False
         self._got_grad = [False] * len(self._params)  # in this backward
         self.prefetch = prefetch and overlap is not False
@@ -305,7 +306,8 @@ class ZeroStage3(ShardedDataParallel):
         return hook
 
     def _reduce(self, u: _Unit) -> None:
-        """Copy the unit's gradients (/ n) into a flat buffer, reduce_scatter it, free the full tensors."""
+        """Fill the unit's gradients into a flat buffer, start its reduction (grad_reduce.py), free
+        the full tensors."""
         shard = u.shard
         while len(self._inflight) >= self.max_inflight:
             self._complete(self._inflight[0])
@@ -313,17 +315,13 @@ class ZeroStage3(ShardedDataParallel):
             staging = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
             staging[shard.numel:].zero_()  # padding
             for slot, i in zip(shard.slots, u.param_ids):
-                p, out = self._params[i], staging[slot.offset:slot.offset + slot.numel]
-                if local_grad(p) is None:
-                    out.zero_()  # no gradient in this backward: contribute zeros
-                else:
-                    torch.mul(p.grad.reshape(-1), 1.0 / self.dp_size, out=out)
+                p = self._params[i]
+                grad = local_grad(p)  # None: no gradient in this backward, contributes zeros
+                self._grad_reduce.fill(staging[slot.offset:slot.offset + slot.numel], grad)
+                if grad is not None:
                     p.grad = None
             u.staging = staging
-            u.reduced = torch.empty(shard.shard_size, dtype=self.reduce_dtype, device=shard.device)
-            handle = comm.reduce_scatter_tensor(u.reduced, staging, group=self.process_group, async_op=True,
-                                                algorithm=self.collectives)
-            u.reduce_handle = self._across_replicas(handle, u.reduced)
+            u.reduce_handle, u.reduced = self._grad_reduce.launch(shard, staging)
         self._inflight.append(u)
         if u is not self._root:
             self._reshard(u)
@@ -332,7 +330,7 @@ class ZeroStage3(ShardedDataParallel):
         """Wait for u's reduce_scatter, add the result to its master gradient, recycle the buffer."""
         with torch.no_grad():
             u.reduce_handle.wait()
-            u.shard.add_grad(u.reduced.to(u.shard.master.dtype))  # no copy when the dtypes match
+            self._grad_reduce.finish(u.shard, u.reduced)
         self._pool.put(u.staging)
         u.staging = u.reduced = u.reduce_handle = None
         self._inflight.remove(u)

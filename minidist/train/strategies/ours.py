@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from minidist.comm.wire import FORMATS
 from minidist.train.errors import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import register
@@ -59,7 +60,7 @@ class OursDDP(Strategy):
                              find_unused_parameters=bool(c.find_unused_parameters),
                              broadcast_buffers=bool(c.broadcast_buffers),
                              overlap=bool(c.overlap),
-                             comm_hook=self._comm_hook())
+                             comm_hook=self._comm_hook(), grad_wire=c.grad_wire, quant_block=int(c.quant_block))
         return model, optim_cls(net.parameters(), **optim_kwargs)
 
     def _comm_hook(self):
@@ -143,11 +144,15 @@ class OursZero(Strategy):
 
 # -- the specs: what each strategy is, sends and holds (spec.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers",
-               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook")
-FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd")}  # the two-level one is ddp_hierarchical
-ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters"),
-                3: ("min_unit_params", "broadcast_buffers", "collectives")}  # stage 3: units, not buckets
+               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "grad_wire", "quant_block")
+WIRES = (None, *FORMATS)  # what a wire option takes (minidist.comm.wire)
+FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd"),  # the two-level one is ddp_hierarchical
+              "grad_wire": WIRES}
+WIRE_OPTIONS = ("grad_wire", "param_wire", "quant_block")
+ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters") + WIRE_OPTIONS,
+                3: ("min_unit_params", "broadcast_buffers", "collectives") + WIRE_OPTIONS}  # stage 3: units, not buckets
 ZERO_OPTIONS[2] = ZERO_OPTIONS[1]
+ZERO_CHOICES = {"grad_wire": WIRES, "param_wire": WIRES}
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
                       collectives=(), single_rank=True))
 register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucketed all_reduce overlapped with "
@@ -156,16 +161,19 @@ register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucket
 register(StrategySpec("ddp_hierarchical", "minidist", OursDDP, "DataParallel with the two-level all_reduce: "
                       "reduce_scatter in each shard group, all_reduce of 1/S across, all_gather within",
                       reference="native_ddp", hybrid=True, collectives=in_shard_groups(ZERO12),
-                      options=DDP_OPTIONS + ("shard_size", "collectives"), choices={"comm_hook": ("hierarchical",)}))
+                      options=DDP_OPTIONS + ("shard_size", "collectives"),
+                      choices={"comm_hook": ("hierarchical",), "grad_wire": (None,)}))
 for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],
                           zero_stage=_stage, messages="units" if _stage == 3 else "buckets",
-                          collectives=_collectives, options=ZERO_OPTIONS[_stage], flat_optimizer_shards=True))
+                          collectives=_collectives, options=ZERO_OPTIONS[_stage], choices=ZERO_CHOICES,
+                          flat_optimizer_shards=True))
 for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"hsdp{_stage}", "minidist", OursZero, f"ShardedDataParallel stage {_stage} on a mesh: "
                           "sharded within shard groups of strategy.shard_size ranks, replicated across them",
                           checkpoint="sharded", reference={2: "native_ddp", 3: "native_hsdp"}[_stage],
                           zero_stage=_stage, hybrid=True, messages="units" if _stage == 3 else "buckets",
                           collectives=in_shard_groups(_collectives),
-                          options=ZERO_OPTIONS[_stage] + ("shard_size",), flat_optimizer_shards=True))
+                          options=ZERO_OPTIONS[_stage] + ("shard_size",), choices=ZERO_CHOICES,
+                          flat_optimizer_shards=True))
