@@ -498,6 +498,9 @@ class Trainer:
         if history[-1].comm is not None:
             out["time/exposed_comm_s"] = sum(comms) / n
             out["comm/bytes_per_step"] = sum(h.comm_bytes for h in history) / n
+            for op, row in history[-1].comm.summary().items():  # by collective: the last step's
+                if row["sent_bytes"]:
+                    out[f"comm/{op}_bytes_per_step"] = row["sent_bytes"]
         if self.is_text:
             tokens_s = samples_s * self.tokens_per_sample
             out["throughput/tokens_per_s"] = tokens_s
