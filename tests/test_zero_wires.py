@@ -163,3 +163,55 @@ def wire_and_hook():
 
 def test_a_wire_with_a_comm_hook_or_an_unknown_format_is_refused(ranks):
     assert ranks(2).run(wire_and_hook) == [True, True]
+
+
+def backward_gathers_by_group(secondary_shard, param_wire=None):
+    """One step of zero3 on 4 ranks: ring bytes each group carried, by op, and the final state."""
+    from zero_cases import run_ours
+
+    model = minidist.ShardedDataParallel(perturbed(build("gpt"), dist.get_rank()), OPTIMIZERS["adamw"], stage=3,
+                                         min_unit_params=1000, secondary_shard=secondary_shard,
+                                         param_wire=param_wire)
+    by_group: dict = {}
+    for step in range(3):
+        x, y = rank_batch("gpt", step)
+        with minidist.comm.CommTracer() as tracer:
+            loss_fn("gpt", model(x), y).backward()
+        model.optimizer.step()
+        model.optimizer.zero_grad()
+        if step == 2:
+            for r in tracer.records:
+                key = (r.op, len(r.group_ranks))
+                by_group[key] = by_group.get(key, 0) + r.sent_bytes
+    return by_group, model.full_state_dict()
+
+
+@pytest.mark.parametrize("param_wire", [None, "int8"])
+def test_hpz_keeps_the_backward_gathers_within_a_host_and_trains_identically(param_wire, ranks):
+    plain = ranks(4).run(backward_gathers_by_group, None, param_wire)
+    hpz = ranks(4).run(backward_gathers_by_group, 2, param_wire)
+    for (plain_groups, plain_state), (hpz_groups, hpz_state) in zip(plain, hpz):
+        # plain zero3: forward and backward gathers both over the 4 ranks
+        # hpZ: the forward's over the 4, the backward's within the 2 ranks of the host
+        assert ("all_gather", 2) not in plain_groups
+        assert hpz_groups[("all_gather", 4)] == pytest.approx(plain_groups[("all_gather", 4)] / 2, rel=0.05)
+        assert hpz_groups[("all_gather", 2)] > 0
+        assert hpz_groups[("reduce_scatter", 4)] == plain_groups[("reduce_scatter", 4)]
+        assert all(torch.equal(hpz_state[k], plain_state[k]) for k in plain_state)  # the same weights, bitwise
+
+
+def hpz_refusals():
+    with pytest.raises(ValueError, match="divides"):
+        minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["sgd"], stage=3, secondary_shard=3)
+    with pytest.raises(ValueError, match="give one of them"):
+        minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["sgd"], stage=3, secondary_shard=2,
+                                     reshard_after_forward=False)
+    with pytest.raises(ValueError, match="stage"):
+        minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["sgd"], stage=2, secondary_shard=2)
+    # FSDP2's spelling of the same thing
+    model = minidist.ShardedDataParallel(build("gpt"), OPTIMIZERS["sgd"], stage=3, reshard_after_forward=2)
+    return model._secondary is not None and model._secondary.size == 2
+
+
+def test_hpz_is_refused_where_it_cannot_hold_and_takes_fsdp2s_int(ranks):
+    assert ranks(4).run(hpz_refusals) == [True] * 4

@@ -155,12 +155,16 @@ class FlatShard:
         """Release the full buffer's memory; the parameters' views stay, pointing at nothing."""
         self.full.untyped_storage().resize_(0)
 
+    def materialise(self) -> None:
+        """Give the full buffer its memory back (its values are whatever the next gather writes)."""
+        if not self.is_materialised:
+            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+
     def gather_full(self, async_op: bool = False):
         """all_gather every rank's master shard (cast to the compute dtype) into `full`: the one
         parameter gather of every stage. With a wire format, the master shard is encoded straight
         from fp32 and every slice of `full`, this rank's too, holds what the wire delivered."""
-        if not self.is_materialised:
-            self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+        self.materialise()
         with torch.no_grad():
             if self.wire is not None:
                 return comm.all_gather_into(self.full, self.master.detach(), group=self.group, async_op=async_op,

@@ -462,7 +462,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """Bytes on this rank, measured from live storages (a storage is counted once)."""
         self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         return measure({
-            "parameters": [s.full for s in self._shards],
+            "parameters": self._parameter_tensors(),
             "master_params": [s.master for s in self._shards],
             "gradients": self._gradient_tensors(),
             "optimizer_state": optimizer_tensors(self.optimizer),
@@ -470,6 +470,9 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             "replicated": [v for v in self.module.state_dict(keep_vars=True).values()
                            if not any(v is p for p in self._params)],
         })
+
+    def _parameter_tensors(self) -> list[torch.Tensor]:
+        return [s.full for s in self._shards]
 
     def _gradient_tensors(self) -> list[torch.Tensor]:
         return [g for s in self._shards for g in s.grads()]
@@ -499,7 +502,7 @@ class ZeroStage12(ShardedDataParallel):
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = False,
                  grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, **unused):
         nn.Module.__init__(self)
-        stage3 = {"unit_policy", "min_unit_params", "prefetch"}
+        stage3 = {"unit_policy", "min_unit_params", "prefetch", "secondary_shard"}
         if unused and set(unused) <= stage3:
             raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: those size and "
                              "prefetch stage 3's units; stages 1-2 reduce in buckets (bucket_cap_mb). Use stage=3 "

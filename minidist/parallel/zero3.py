@@ -33,6 +33,7 @@ from minidist.comm.wire import QUANT_BLOCK
 from minidist.parallel.eager import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
 from minidist.parallel.native_args import check_reshard_after_forward, refuse_unknown
+from minidist.parallel.secondary_shard import SecondaryShards, secondary_size
 from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
 from minidist.parallel.zero_join import tensors_in
@@ -118,7 +119,8 @@ class ZeroStage3(ShardedDataParallel):
     """Stage 3. Extra arguments: unit_policy(name, module) -> bool, min_unit_params (None with no
     policy: the repeated blocks, see plan_units), prefetch, max_inflight (units whose gradients may
     be in reduction at once), reshard_after_forward (False: keep each unit gathered from its
-    forward to its backward, as FSDP2's option)."""
+    forward to its backward, as FSDP2's option; an int G: secondary_shard=G), secondary_shard (hpZ:
+    None, G ranks or "host"; the backward gathers within blocks of G ranks, secondary_shard.py)."""
 
     def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 3, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
@@ -126,9 +128,15 @@ class ZeroStage3(ShardedDataParallel):
                  prefetch: bool = True, max_inflight: int = 2, bucket_cap_mb: float | None = None,
                  overlap: bool | None = None, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = None,
-                 grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, **unused):
+                 grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, secondary_shard=None,
+                 **unused):
         nn.Module.__init__(self)
         refuse_unknown("ShardedDataParallel", unused)
+        if type(reshard_after_forward) is int:  # FSDP2's reshard to a smaller group: hpZ's secondary shard
+            if secondary_shard not in (None, reshard_after_forward):
+                raise ValueError(f"ShardedDataParallel: reshard_after_forward={reshard_after_forward} and "
+                                 f"secondary_shard={secondary_shard!r} disagree: give one of them")
+            secondary_shard, reshard_after_forward = reshard_after_forward, True
         # FSDP2's ZeRO-2-like mode when False: each unit stays gathered from its forward to its backward.
         self.reshard_after_forward = check_reshard_after_forward(reshard_after_forward, stage)
         if bucket_cap_mb is not None:
@@ -145,6 +153,11 @@ class ZeroStage3(ShardedDataParallel):
         self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
                            max_inflight, broadcast_buffers, collectives, mesh, mp_policy,
                            wires=(grad_wire, param_wire, quant_block))
+        if secondary_shard is not None and not self.reshard_after_forward:
+            raise ValueError("ShardedDataParallel: secondary_shard keeps a host-local copy for units freed after their "
+                             "forward; with reshard_after_forward=False nothing is freed: give one of them")
+        size = secondary_size(secondary_shard, self.world_size, mesh)
+        self._secondary = SecondaryShards(size, self.process_group, collectives) if size else None
         self.find_unused_parameters = False
         self._got_grad = [False] * len(self._params)  # in this backward
         self.prefetch = prefetch and overlap is not False
@@ -189,16 +202,22 @@ class ZeroStage3(ShardedDataParallel):
 
     # ------------------------------------------------------------------ gather / free
 
-    def _unshard(self, u: _Unit) -> None:
+    def _unshard(self, u: _Unit, for_backward: bool = False) -> None:
         if u.gather_handle is not None:
             u.gather_handle.wait()
             u.gather_handle = None
         elif not u.shard.is_materialised:
-            u.shard.gather_full()
+            self._gather(u, for_backward, async_op=False)
 
-    def _prefetch(self, u: _Unit | None) -> None:
+    def _prefetch(self, u: _Unit | None, for_backward: bool = False) -> None:
         if self.prefetch and u is not None and u.gather_handle is None and not u.shard.is_materialised:
-            u.gather_handle = u.shard.gather_full(async_op=True)
+            u.gather_handle = self._gather(u, for_backward, async_op=True)
+
+    def _gather(self, u: _Unit, for_backward: bool, async_op: bool):
+        """Forward gathers over the shard group; backward from the secondary shards where kept (hpZ)."""
+        if for_backward and self._secondary is not None and self._secondary.has(u.shard):
+            return self._secondary.gather(u.shard, async_op=async_op)
+        return u.shard.gather_full(async_op=async_op)
 
     def _reshard(self, u: _Unit) -> None:
         if u.gather_handle is None and u.shard.is_materialised:
@@ -225,6 +244,8 @@ class ZeroStage3(ShardedDataParallel):
     @eager
     def _enter_forward(self) -> None:
         self._order = []
+        if self._secondary is not None:
+            self._secondary.drop()  # a forward whose backward never came: its copies go
         if self._root is not None:
             self._unshard(self._root)
         if self._last_order:
@@ -255,6 +276,9 @@ class ZeroStage3(ShardedDataParallel):
     def _reshard_after_forward(self, u: _Unit) -> None:
         # Kept gathered for its backward only when one will come (reshard_after_forward=False).
         if self.reshard_after_forward or not torch.is_grad_enabled():
+            if self._secondary is not None and torch.is_grad_enabled() and u.gather_handle is None \
+                    and u.shard.is_materialised:
+                self._secondary.keep(u.shard)  # what the backward gathers within the host (hpZ)
             self._reshard(u)
 
     # ------------------------------------------------------------------ backward
@@ -279,9 +303,9 @@ class ZeroStage3(ShardedDataParallel):
                 self._start_backward()
             if not u.backward_started:
                 u.backward_started = True
-                self._unshard(u)
+                self._unshard(u, for_backward=True)
                 if u is not self._root:  # the unit whose backward runs after this one
-                    self._prefetch(self._neighbour(self._order, u, -1))
+                    self._prefetch(self._neighbour(self._order, u, -1), for_backward=True)
             return grad
         return hook
 
@@ -354,6 +378,8 @@ class ZeroStage3(ShardedDataParallel):
                 self._gradients_ready()
         finally:
             self._in_backward = False
+            if self._secondary is not None:
+                self._secondary.drop()
             for u in self._units:
                 if u.gather_handle is not None:  # a prefetch nobody used
                     u.gather_handle.wait()
@@ -365,9 +391,14 @@ class ZeroStage3(ShardedDataParallel):
         False and a forward without backward) holds old values: freed, so it is gathered afresh."""
         for u in self._units:
             self._reshard(u)
+        if self._secondary is not None:
+            self._secondary.drop()
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()
+
+    def _parameter_tensors(self) -> list[torch.Tensor]:
+        return super()._parameter_tensors() + (self._secondary.tensors() if self._secondary is not None else [])
 
 
 ShardedDataParallel._stages[3] = ZeroStage3

@@ -151,6 +151,7 @@ FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd"),  # the two
 WIRE_OPTIONS = ("grad_wire", "param_wire", "quant_block")
 ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters") + WIRE_OPTIONS,
                 3: ("min_unit_params", "broadcast_buffers", "collectives") + WIRE_OPTIONS}  # stage 3: units, not buckets
+HPZ = ("secondary_shard",)  # flat stage 3 only: hybrid sharding gathers within the host already
 ZERO_OPTIONS[2] = ZERO_OPTIONS[1]
 ZERO_CHOICES = {"grad_wire": WIRES, "param_wire": WIRES}
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
@@ -167,7 +168,8 @@ for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],
                           zero_stage=_stage, messages="units" if _stage == 3 else "buckets",
-                          collectives=_collectives, options=ZERO_OPTIONS[_stage], choices=ZERO_CHOICES,
+                          collectives=_collectives, options=ZERO_OPTIONS[_stage] + (HPZ if _stage == 3 else ()),
+                          choices=ZERO_CHOICES,
                           flat_optimizer_shards=True))
 for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"hsdp{_stage}", "minidist", OursZero, f"ShardedDataParallel stage {_stage} on a mesh: "
