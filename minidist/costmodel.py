@@ -30,6 +30,9 @@ strategy priced by the collectives its spec declares (minidist/train/strategies/
     ddp_hierarchical  reduce_scatter(Psi) in host, all_reduce(Psi/G) across hosts, all_gather in host
     zero1, zero2      reduce_scatter(Psi) + all_gather(Psi) over N         (buckets)
     zero3             reduce_scatter(Psi) + 2 all_gather(Psi) over N       (units)
+    zero3_zeropp      zero3 with ZeRO++'s three: the reduce_scatter an int8 all-to-all (qgZ: out of
+                      each host go G (N - G) chunks of Psi/N at 1 + 4/256 bytes an element), the
+                      forward gather an int8 ring (qwZ), the backward gather a ring within the host (hpZ)
     hsdp2             zero2 within the shard group + all_reduce(Psi/S) across the replicas
     hsdp3             zero3 within the shard group + all_reduce(Psi/S) across the replicas  (units)
 
@@ -129,14 +132,46 @@ def all_reduce_time(n: int, nbytes: float, link: Link, algorithm: str, messages:
     return ring_steps_time(n, nbytes, link, 2, messages)
 
 
+def all_to_all_time(n: int, nbytes: float, c: Cluster, replicas: bool = False, messages: int = 1) -> float:
+    """A wire's exchange (minidist.comm.wire): each of n ranks sends n-1 chunks of nbytes/n at once,
+    each straight to its owner. Ranks laid out host by host: out of each host go G (n - G) chunks
+    of a group spanning hosts (G(n-1) for a replicate group, one rank per host), through its link;
+    the G-1 within it take the intra link. One latency per message: the sends are concurrent."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    G, chunk = c.per_host, nbytes / messages / n
+    crossing = G * (n - 1) if replicas else (G * (n - G) if n > G else 0)
+    inter = c.inter_lat + crossing * chunk / c.inter_bw if crossing else 0.0
+    intra = c.intra_lat + (min(n, G) - 1) * chunk / c.intra_bw if not replicas else 0.0
+    return messages * max(inter, intra)
+
+
+def wire_bytes_per_element(wire: str | None, default: float, block: int = 256) -> float:
+    """Bytes an element takes on a wire (None: `default`, the dtype's): int8 carries its scales."""
+    if wire is None:
+        return default
+    from minidist.comm.wire import Wire
+
+    return Wire(wire, block=block).chunk_bytes(block) / block
+
+
+# Patterns priced beside the strategies: name -> (strategy, its wire options)
+VARIANTS = {"zero3_zeropp": ("zero3", {"grad_wire": "int8", "param_wire": "int8", "secondary": True})}
+
+
 def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm_bytes: int = 2,
                    algorithm: str = "ring", units: int = 24, bucket_bytes: float = 25 * 2**20,
-                   shard: int | None = None) -> dict[str, float]:
+                   shard: int | None = None, grad_wire: str | None = None, param_wire: str | None = None,
+                   secondary: bool = False) -> dict[str, float]:
     """Seconds of communication per optimizer step: "group" (the world's collectives, or the
     shard group's), "replicas" (the all_reduce across replicas) and "total".
 
     `algorithm` applies to all_reduce (ring or tree); reduce_scatter and all_gather are rings.
-    `shard`: the shard group's size S for a hybrid strategy (default: one host)."""
+    `shard`: the shard group's size S for a hybrid strategy (default: one host).
+    `grad_wire` / `param_wire` (strategy.grad_wire / param_wire): the gradients' reduce_scatter or
+    all_reduce becomes the wire's all-to-all (then, for an all_reduce, a ring all_gather) of its
+    bytes per element; the parameters' all_gathers are rings of the wire's bytes. `secondary`
+    (hpZ, stage 3): the second all_gather runs within each host, at comm_bytes."""
     if strategy not in strategies():
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {strategies()}")
     s = spec(strategy)
@@ -148,17 +183,31 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
     messages = units if s.messages == "units" else max(1, math.ceil(size / bucket_bytes))
     ranks = {"world": N, "shard": S, "replicas": N // S}
     links = {"world": ring_link(c, N), "shard": ring_link(c, S), "replicas": replicas_link(c)}
+    grad_per = wire_bytes_per_element(grad_wire, comm_bytes) / comm_bytes  # the wire's share of comm_bytes
+    param_per = wire_bytes_per_element(param_wire, comm_bytes) / comm_bytes
     out = {"group": 0.0, "replicas": 0.0}
     for op in s.collectives:
         payload = size / S if op.payload == "shard" else size
         n, link = ranks[op.group], links[op.group]
-        if op.op == "all_reduce":
+        replicas = op.group == "replicas"
+        if op.op == "all_reduce" and grad_wire is not None:
+            t = all_to_all_time(n, payload * grad_per, c, replicas, messages) + \
+                ring_steps_time(n, payload * grad_per, link, 1, messages)
+        elif op.op == "all_reduce":
             t = all_reduce_time(n, payload, link, algorithm, messages)
-        elif op.op in ("reduce_scatter", "all_gather"):
+        elif op.op == "reduce_scatter" and grad_wire is not None:
+            t = all_to_all_time(n, payload * grad_per, c, replicas, messages)
+        elif op.op == "reduce_scatter":
             t = ring_steps_time(n, payload, link, 1, messages)
+        elif op.op == "all_gather":
+            t = op.count * ring_steps_time(n, payload * param_per, link, 1, messages)
+            if secondary and op.count == 2:  # hpZ: the backward's gather within the host, from the kept copy
+                t = t / 2 + ring_steps_time(min(n, G), payload, ring_link(c, min(n, G)), 1, messages)
+            out["replicas" if replicas else "group"] += t
+            continue
         else:
             raise ValueError(f"{strategy}: the cost model prices rings, not {op.op}")
-        out["replicas" if op.group == "replicas" else "group"] += op.count * t
+        out["replicas" if replicas else "group"] += op.count * t
     return {**out, "total": out["group"] + out["replicas"]}
 
 
@@ -261,9 +310,11 @@ def predict_measured(m: dict) -> dict[str, float]:
     (hosts, per_host, intra/inter bandwidth and latency) and the payload; fp32 bytes, ring."""
     c = Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
                 inter_bw=m["inter_bw"], inter_lat=m["inter_lat"])
-    return {s: step_comm_time(s, m["params"], m["hosts"], c, comm_bytes=4, algorithm="ring",
-                              units=m["messages"], bucket_bytes=m["params"] * 4 / m["messages"])["total"]
-            for s in m["measured"]}
+    def priced(name: str) -> float:
+        strategy, wires = VARIANTS.get(name, (name, {}))
+        return step_comm_time(strategy, m["params"], m["hosts"], c, comm_bytes=4, algorithm="ring",
+                              units=m["messages"], bucket_bytes=m["params"] * 4 / m["messages"], **wires)["total"]
+    return {s: priced(s) for s in m["measured"]}
 
 
 def prediction_errors(m: dict, predicted: dict[str, float] | None = None) -> dict[str, float]:

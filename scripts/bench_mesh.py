@@ -14,7 +14,8 @@ assumes. It measures:
 2. Each strategy's step pattern on a flat fp32 buffer of --params values in --messages parts:
    ddp (all_reduce over the world), zero3 (reduce_scatter + 2 all_gathers over the world),
    hierarchical and hsdp3 (the same within each host's shard group, then an all_reduce of the
-   1/S shard across the replicas). The median of --reps timed runs, barrier before each.
+   1/S shard across the replicas), zero3_zeropp (zero3 with int8 wires and the backward's gather
+   within the host). The median of --reps timed runs, barrier before each.
 
 Rank 0 writes the JSON `python -m minidist.costmodel validate` reads.
 """
@@ -103,13 +104,21 @@ def patterns(mesh, params: int, messages: int) -> dict:
             comm.reduce_scatter_tensor(p, t, group=mesh.shard_group, algorithm="ring")
             comm.all_reduce(p, group=mesh.replicate_group, algorithm="ring")  # the only step across hosts
 
+    def zero3_zeropp():  # ZeRO++ (costmodel.VARIANTS): int8 weights and gradients, backward gathers in the host
+        for t, p in zip(flat, piece_world):
+            comm.all_gather_into(t, p, wire_dtype="int8")  # forward (qwZ)
+            host_part = t[:per // S]  # hpZ: the kept 1/S, gathered within the host
+            comm.all_gather_into(t, host_part.clone(), group=mesh.shard_group, algorithm="ring")
+            comm.reduce_scatter_tensor(p, t, wire_dtype="int8")  # qgZ
+
     def hierarchical():
         for t, p in zip(flat, piece_shard):
             comm.reduce_scatter_tensor(p, t, group=mesh.shard_group, algorithm="ring")
             comm.all_reduce(p, group=mesh.replicate_group, algorithm="ring")
             comm.all_gather_into(t, p, group=mesh.shard_group, algorithm="ring")
 
-    return {"ddp": ddp, "zero3": zero3, "ddp_hierarchical": hierarchical, "hsdp3": hsdp3}
+    return {"ddp": ddp, "zero3": zero3, "zero3_zeropp": zero3_zeropp, "ddp_hierarchical": hierarchical,
+            "hsdp3": hsdp3}
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 
 VARIANTS = {  # name -> strategy overrides
     "plain": {},
@@ -44,6 +45,9 @@ def run_variant(overrides: dict, steps: int, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+    from doc_pipeline import provenance, record
+
     from minidist.comm.wire import QUANT_BLOCK, Wire
     from minidist.train.strategies import spec
 
@@ -69,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     int8 = Wire("int8", block=QUANT_BLOCK)
     theory = {"plain": spec("zero3").wire_bytes(psi, n),
               "int8": spec("zero3").wire_bytes(psi, n, element_bytes=int8.chunk_bytes(QUANT_BLOCK) / QUANT_BLOCK)}
-    Path(a.out).write_text(json.dumps({"model": "gpt_nano", "strategy": "zero3", "quant_block": QUANT_BLOCK,
-                                       "theory": theory, "runs": runs}, indent=1) + "\n")
+    command = "python scripts/measure_wires.py" + ("" if a.steps == [200, 400] else f" --steps {' '.join(map(str, a.steps))}")
+    record(Path(a.out), {"model": "gpt_nano", "strategy": "zero3", "quant_block": QUANT_BLOCK, "theory": theory,
+                         "runs": runs}, provenance(command, torch.__version__))
     print(f"wrote {a.out}")
     return 0
 

@@ -235,3 +235,47 @@ def test_references_and_theory():
     # a key in one state only is a difference too (it used to be skipped)
     assert max_state_difference({"w": torch.zeros(3), "b": torch.zeros(1)}, {"w": torch.zeros(3)}) == float("inf")
     assert max_state_difference({"w": torch.zeros(3)}, {"w": torch.zeros(3), "b": torch.zeros(1)}) == float("inf")
+
+
+VARIANT = "+compare.variants={zero3_int8: {of: zero3, param_wire: int8, grad_wire: int8}}"
+
+
+@pytest.mark.slow(stand_in="test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss")  # a whole comparison
+def test_a_compressed_variant_runs_beside_its_twin_and_is_held_to_the_loss_bound(tmp_path):
+    """zero3 with int8 wires beside plain zero3: its reference is its twin, its check the final loss
+    (a bound of 0 cannot hold: exit 1, saying so), its bytes and their theory the wire's."""
+    out, run_dir = compare(tmp_path, "compare.strategies=[zero3,zero3_int8]", VARIANT, "compare.loss_tolerance=0")
+    assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "final loss differs beyond compare.loss_tolerance=0 (zero3_int8 vs zero3:" in out.stderr
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    row = rows["zero3_int8"]
+    assert row["reference"] == "zero3" and row["checked_by"] == "loss" and row["ok"] is False
+    assert 0 < row["final_loss_diff"] < 0.05  # close, not equal
+    for op in ("reduce_scatter", "all_gather"):
+        ratio = row["bytes_per_step"][op] / rows["zero3"]["bytes_per_step"][op]
+        assert ratio == pytest.approx(row["theory_bytes_per_step"][op] / rows["zero3"]["theory_bytes_per_step"][op],
+                                      rel=0.05)
+        assert ratio < 0.3
+    assert "a variant of it: no target" in (run_dir / "report.md").read_text()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+compare.variants={zero3: {of: zero3}}", "compare.variants.zero3: a strategy has that name"),
+    ("+compare.variants={z: {param_wire: int8}}", "compare.variants.z: needs `of`"),
+    ("compare.loss_tolerance=-1", "compare.loss_tolerance=-1 must be >= 0"),
+])
+def test_variant_checks(override, message):
+    test_strategy_list_checks(override, message)
+
+
+def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
+    from minidist.compare.report import reference_of
+    from minidist.compare.variants import base_of, compressed, wire_factors
+
+    variants = {"zero3_int8": {"of": "zero3", "grad_wire": "int8"}}
+    assert base_of("zero3_int8", variants) == "zero3" and base_of("ddp", variants) == "ddp"
+    assert reference_of("zero3_int8", ["zero3_int8", "zero3", "native_fsdp"], {}, variants) == "zero3"  # its twin
+    assert reference_of("zero3_int8", ["zero3_int8", "native_fsdp"], {}, variants) == "native_fsdp"  # zero3's
+    assert compressed({"grad_wire": "int8"}) and not compressed({"grad_wire": None, "comm_hook": "bf16"})
+    factors = wire_factors({"grad_wire": "int8", "param_wire": "bf16", "quant_block": 256})
+    assert factors["reduce_scatter"] == pytest.approx((1 + 4 / 256) / 4) and factors["all_gather"] == 0.5

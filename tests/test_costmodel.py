@@ -79,3 +79,27 @@ def test_command_line(capsys):
     assert "pick: " in out and "hsdp3" in out
     assert costmodel.main(["table"]) == 0
     assert "| 16,384 |" in capsys.readouterr().out
+
+
+def test_wires_are_priced_by_their_bytes_and_the_all_to_all_by_what_leaves_each_host():
+    two_by_two = Cluster(per_host=2, intra_bw=1e12, intra_lat=0.0, inter_bw=1e6, inter_lat=0.0)
+    psi = 1e6
+    plain = costmodel.step_comm_time("zero3", psi, 2, two_by_two, units=1, comm_bytes=4)
+    # world rings of 4 ranks over 2 hosts: 3 steps of psi/4 x 4 bytes out of each host, three times
+    assert plain["total"] == pytest.approx(3 * 3 * psi / 1e6)
+    int8 = 1 + 4 / 256
+    # int8 weights: the gathers' bytes x int8/4; int8 gradients: an all-to-all whose G (N-G) = 4
+    # chunks of psi/4 leave each host (4 against the ring's 3), at int8's bytes
+    both = costmodel.step_comm_time("zero3", psi, 2, two_by_two, units=1, comm_bytes=4,
+                                    grad_wire="int8", param_wire="int8")
+    assert both["total"] == pytest.approx((2 * 3 + 4) * psi / 4 * int8 / 1e6)
+    # hpZ: the backward gather within the host costs (next to) nothing here
+    zeropp = costmodel.step_comm_time("zero3", psi, 2, two_by_two, units=1, comm_bytes=4,
+                                      grad_wire="int8", param_wire="int8", secondary=True)
+    assert zeropp["total"] == pytest.approx((3 + 4) * psi / 4 * int8 / 1e6, rel=1e-3)
+    # what validate prices for scripts/bench_mesh.py's zero3_zeropp pattern
+    m = {"hosts": 2, "per_host": 2, "params": psi, "messages": 1, "intra_bw": 1e12, "intra_lat": 0.0,
+         "inter_bw": 1e6, "inter_lat": 0.0, "measured": {"zero3": 1.0, "zero3_zeropp": 1.0}}
+    predicted = costmodel.predict_measured(m)
+    assert predicted["zero3_zeropp"] == pytest.approx(zeropp["total"])
+    assert predicted["zero3_zeropp"] < predicted["zero3"] / 4

@@ -13,12 +13,17 @@ from pathlib import Path
 
 
 def strategy_options(name: str, compare_cfg):
-    """configs/strategy/NAME.yaml (composed, so its defaults apply), then compare.bucket_cap_mb,
-    compare.shard_size and compare.overrides.NAME on top."""
+    """configs/strategy/NAME.yaml (composed, so its defaults apply; a variant's: its `of`'s, with
+    the variant's options), then compare.bucket_cap_mb, compare.shard_size and
+    compare.overrides.NAME on top."""
     from hydra import compose
     from omegaconf import OmegaConf
 
-    options = compose(config_name="train", overrides=[f"strategy={name}"]).strategy
+    from minidist.compare.variants import base_of, variant_options
+
+    variants = compare_cfg.get("variants") or {}
+    options = compose(config_name="train", overrides=[f"strategy={base_of(name, variants)}"]).strategy
+    options = OmegaConf.merge(options, variant_options(name, variants))
     if compare_cfg.bucket_cap_mb is not None and "bucket_cap_mb" in options:
         options.bucket_cap_mb = float(compare_cfg.bucket_cap_mb)
     if compare_cfg.get("shard_size") is not None and "shard_size" in options:

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from minidist.dist import launch_rank
 from minidist.launch import RanksFailed, run_ranks
 from minidist.train.errors import ConfigError
+from minidist.compare.variants import base_of
 from minidist.train.strategies import names as strategy_names
 from minidist.train.strategies import spec
 
@@ -23,12 +24,20 @@ def check_strategies(cfg) -> None:
     if not names:
         raise ConfigError("compare.strategies is empty: name at least one, e.g. compare.strategies=[ddp,native_ddp]")
     known = strategy_names()
-    unknown = [n for n in names if n not in known]
+    variants = cfg.compare.get("variants") or {}
+    for name, v in variants.items():
+        if name in known:
+            raise ConfigError(f"compare.variants.{name}: a strategy has that name; give the variant its own")
+        if v is None or v.get("of") not in known:
+            raise ConfigError(f"compare.variants.{name}: needs `of`, the strategy it varies (one of {list(known)}), "
+                              "e.g. {of: zero3, param_wire: int8}")
+    unknown = [n for n in names if n not in known and n not in variants]
     if unknown:
-        raise ConfigError(f"compare.strategies: {unknown} unknown; choose from {list(known)}")
+        raise ConfigError(f"compare.strategies: {unknown} unknown; choose from {list(known)} or name a "
+                          "compare.variants entry")
     if len(set(names)) != len(names):
         raise ConfigError(f"compare.strategies={names} names a strategy twice: each runs once per step")
-    if any(spec(n).kind == "deepspeed" for n in names):
+    if any(spec(base_of(n, variants)).kind == "deepspeed" for n in names):
         import torch
 
         from minidist.train.strategies.deepspeed import import_deepspeed
@@ -39,9 +48,11 @@ def check_strategies(cfg) -> None:
         value = cfg.compare[key]
         if not isinstance(value, int) or value < (1 if key == "steps" else 0):
             raise ConfigError(f"compare.{key}={value!r} must be an integer >= {1 if key == 'steps' else 0}")
-    if not float(cfg.compare.tolerance) >= 0:
-        raise ConfigError(f"compare.tolerance={cfg.compare.tolerance!r} must be >= 0")
-    unknown_refs = {k: v for k, v in cfg.compare.references.items() if k not in known or v not in known}
+    for key in ("tolerance", "loss_tolerance"):
+        if not float(cfg.compare[key]) >= 0:
+            raise ConfigError(f"compare.{key}={cfg.compare[key]!r} must be >= 0")
+    unknown_refs = {k: v for k, v in cfg.compare.references.items()
+                    if (k not in known and k not in variants) or (v not in known and v not in variants)}
     if unknown_refs:
         raise ConfigError(f"compare.references: {unknown_refs} names unknown strategies; choose from {list(known)}")
     if str(cfg.trainer.precision) == "fp16":
@@ -83,9 +94,18 @@ def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
           f"tensorboard  tensorboard --logdir {files['tensorboard']}")
     failed = regressions(rows)
     if failed:
-        details = ", ".join(f"{n} vs {rows[n]['reference']}: {rows[n]['final_param_diff']:.3g}" for n in failed)
-        print(f"error: final parameters differ beyond compare.tolerance={float(cfg.compare.tolerance):g} ({details})",
-              file=sys.stderr)
+        by_params = [n for n in failed if rows[n]["checked_by"] == "parameters"]
+        by_loss = [n for n in failed if rows[n]["checked_by"] == "loss"]
+        problems = []
+        if by_params:
+            details = ", ".join(f"{n} vs {rows[n]['reference']}: {rows[n]['final_param_diff']:.3g}" for n in by_params)
+            problems.append(f"final parameters differ beyond compare.tolerance={float(cfg.compare.tolerance):g} "
+                            f"({details})")
+        if by_loss:
+            details = ", ".join(f"{n} vs {rows[n]['reference']}: {rows[n]['final_loss_diff']:.2%}" for n in by_loss)
+            problems.append(f"final loss differs beyond compare.loss_tolerance="
+                            f"{float(cfg.compare.loss_tolerance):g} ({details})")
+        print(f"error: {'; '.join(problems)}", file=sys.stderr)
         return 1
     return 0
 

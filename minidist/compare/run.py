@@ -34,7 +34,7 @@ from minidist.memory import live_tensor_bytes
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.state import build_data
 from minidist.train.models import count_parameters
-from minidist.train.strategies import spec
+from minidist.train.strategies import names as strategy_names, spec
 
 NO_OVERLAP = "_no_overlap"  # the timeline's extra, e.g. ddp_no_overlap: reducing every bucket after backward
 
@@ -42,8 +42,8 @@ NO_OVERLAP = "_no_overlap"  # the timeline's extra, e.g. ddp_no_overlap: reducin
 def no_overlap_variant(names: list[str]) -> str | None:
     """The strategy whose timeline without overlap the comparison also draws: the first of ours
     that can turn overlap off (strategy.overlap), on a flat world."""
-    return next((n for n in names if spec(n).kind == "minidist" and "overlap" in spec(n).options
-                 and not spec(n).hybrid), None)
+    return next((n for n in names if n in strategy_names() and spec(n).kind == "minidist"
+                 and "overlap" in spec(n).options and not spec(n).hybrid), None)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
