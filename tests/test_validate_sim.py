@@ -1,6 +1,6 @@
 """scripts/validate_sim.sh: the cost model (minidist/costmodel.py) against measurements on 2 emulated hosts
 x 2 ranks whose links are shaped with tc (200 Mbit/s between hosts, loopback within): every step
-pattern (ddp, zero3, hierarchical all_reduce, hsdp3) predicted within 25%. Slow (about 20 s of
+pattern (ddp, zero3, zero3 with ZeRO++, hierarchical all_reduce, hsdp3) predicted within 25%. Slow (about 20 s of
 saturated links and both cores): `make test-all`. Without root it says so: test_multinode.py.
 
 The 25% bound is what `python -m minidist.costmodel validate` uses; the runs at 100, 200 and
@@ -28,7 +28,7 @@ def test_cost_model_within_a_quarter_of_shaped_links(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "within 25% for every pattern" in out.stdout
-    for pattern in ("ddp", "zero3", "ddp_hierarchical", "hsdp3"):
+    for pattern in ("ddp", "zero3", "zero3_zeropp", "ddp_hierarchical", "hsdp3"):
         assert f"| {pattern} |" in out.stdout
     assert (tmp_path / "measured.json").is_file()
 
