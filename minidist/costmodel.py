@@ -46,7 +46,9 @@ K = 12, from each spec's ZeRO stage): ddp/ddp_hierarchical 16 Psi; zero1 4 Psi +
 "fits" when its model state takes at most `state_fraction` of the device memory.
 
 This is communication only: compute and how much of the communication it hides are not
-modelled. docs/scale.md (rendered by scripts/make_scale_doc.py) holds the tables and plots, and
+modelled, except a wire format's coding (Cluster.codec_s: encoding and decoding int8 takes the
+ranks' own time, measured by scripts/bench_mesh.py; 0 by default, as on GPUs where it runs at
+memory bandwidth). docs/scale.md (rendered by scripts/make_scale_doc.py) holds the tables and plots, and
 how the model compares with the emulated hosts (scripts/validate_sim.sh).
 """
 
@@ -80,6 +82,10 @@ class Cluster:
     inter_bw: float        # per host, all of its network links together
     inter_lat: float
     device_bytes: float = 80e9  # memory per rank (an 80 GB GPU)
+    # Seconds per element to encode a wire format and decode it again (one round trip of an fp32
+    # value; 0: free, as on a GPU, where it is a few elementwise kernels at memory bandwidth).
+    # On CPUs the ranks' cores do it: scripts/bench_mesh.py measures it as it measures the links.
+    codec_s: float = 0.0
 
 
 # Two clusters to tabulate: 8 GPUs a host on NVLink (about 200 GB/s each way per GPU), linked
@@ -190,17 +196,21 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
         payload = size / S if op.payload == "shard" else size
         n, link = ranks[op.group], links[op.group]
         replicas = op.group == "replicas"
+        # A wire's coding, on the rank's own cores: a reduce_scatter encodes and decodes every element
+        # (half a round trip each); an all_gather encodes its 1/n and decodes all.
+        codec = c.codec_s * params * (payload / size)
         if op.op == "all_reduce" and grad_wire is not None:
             t = all_to_all_time(n, payload * grad_per, c, replicas, messages) + \
-                ring_steps_time(n, payload * grad_per, link, 1, messages)
+                ring_steps_time(n, payload * grad_per, link, 1, messages) + codec * (1.5 + 0.5 / n)
         elif op.op == "all_reduce":
             t = all_reduce_time(n, payload, link, algorithm, messages)
         elif op.op == "reduce_scatter" and grad_wire is not None:
-            t = all_to_all_time(n, payload * grad_per, c, replicas, messages)
+            t = all_to_all_time(n, payload * grad_per, c, replicas, messages) + codec
         elif op.op == "reduce_scatter":
             t = ring_steps_time(n, payload, link, 1, messages)
         elif op.op == "all_gather":
-            t = op.count * ring_steps_time(n, payload * param_per, link, 1, messages)
+            coded = codec * (0.5 + 0.5 / n) if param_wire is not None else 0.0
+            t = op.count * (ring_steps_time(n, payload * param_per, link, 1, messages) + coded)
             if secondary and op.count == 2:  # hpZ: the backward's gather within the host, from the kept copy
                 t = t / 2 + ring_steps_time(min(n, G), payload, ring_link(c, min(n, G)), 1, messages)
             out["replicas" if replicas else "group"] += t
@@ -309,7 +319,7 @@ def predict_measured(m: dict) -> dict[str, float]:
     """Predictions for what scripts/validate_sim.sh measured: `m` holds the cluster it calibrated
     (hosts, per_host, intra/inter bandwidth and latency) and the payload; fp32 bytes, ring."""
     c = Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
-                inter_bw=m["inter_bw"], inter_lat=m["inter_lat"])
+                inter_bw=m["inter_bw"], inter_lat=m["inter_lat"], codec_s=m.get("codec_s", 0.0))
     def priced(name: str) -> float:
         strategy, wires = VARIANTS.get(name, (name, {}))
         return step_comm_time(strategy, m["params"], m["hosts"], c, comm_bytes=4, algorithm="ring",
@@ -382,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         m = json.load(f)
     ok, text = validate(m, args.tolerance)
     print(text)
-    print(f"cluster calibrated: {json.dumps({k: m[k] for k in ('intra_bw', 'intra_lat', 'inter_bw', 'inter_lat')})}")
+    print(f"cluster calibrated: {json.dumps({k: m[k] for k in ('intra_bw', 'intra_lat', 'inter_bw', 'inter_lat', 'codec_s') if k in m})}")
     print("within" if ok else "NOT within", f"{args.tolerance:.0%} for every pattern")
     return 0 if ok else 1
 

@@ -34,6 +34,7 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import slowest
 from minidist.comm import ring
+from minidist.comm.wire import Wire
 
 
 def timed(fn, reps: int) -> float:
@@ -152,10 +153,16 @@ def main() -> None:
     nxt, prv = ((host + 1) % hosts) * S + local, ((host - 1) % hosts) * S + local
     inter_lat, inter_bw = fit_link(exchange_points(nxt, prv, sizes, args.reps, sharing=1, active=local == 0)
                                    + exchange_points(nxt, prv, sizes, args.reps, sharing=S))
+    # The wire's coding on this rank's cores (the cost model's codec_s): encode and decode the whole
+    # payload once, with no communication, per element; every rank at once, as in a step (the
+    # ranks share the cores), and more repetitions than the patterns get: it is short and noisy.
+    payload, wire = torch.randn(args.params), Wire("int8")
+    codec_s = timed(lambda: wire.round_trip(payload), max(9, 3 * args.reps)) / args.params
     measured = {name: timed(fn, args.reps) for name, fn in patterns(mesh, args.params, args.messages).items()}
     if ctx.rank == 0:
         out = {"hosts": mesh.replicate, "per_host": mesh.shard, "params": args.params, "messages": args.messages,
                "intra_lat": intra_lat, "intra_bw": intra_bw, "inter_lat": inter_lat, "inter_bw": inter_bw,
+               "codec_s": codec_s,
                "measured": measured}
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
