@@ -264,8 +264,11 @@ def render(img: Path = IMG) -> str:
         "    - intra: each rank with the next rank of its host, all at once;",
         "    - inter: one stream out of each host, and all of a host's ranks at once to their counterparts on the "
         "next host, fitted together by least squares on relative error.",
-        f"  - It then times four step patterns on 1 M values (4 MiB) in 2 messages: ddp, zero3, ddp_hierarchical "
-        f"and hsdp3. Each is the median of {REPS} runs, the slowest rank's time.",
+        "  - It measures the int8 wire's coding on the ranks' own cores (encode and decode of the payload, every "
+        "rank at once, no communication): the model's codec_s.",
+        f"  - It then times five step patterns on 1 M values (4 MiB) in 2 messages: ddp, zero3, zero3_zeropp "
+        "(zero3 with ZeRO++: int8 gathers and an int8 all-to-all for the gradients, the backward's gather within "
+        f"the host), ddp_hierarchical and hsdp3. Each is the median of {REPS} runs, the slowest rank's time.",
         f"- **Predicting.** `python -m minidist.costmodel validate measured.json` predicts each pattern from the "
         f"calibrated links and fails beyond {TOLERANCE:.0%}.",
         "",
