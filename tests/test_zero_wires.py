@@ -215,3 +215,16 @@ def hpz_refusals():
 
 def test_hpz_is_refused_where_it_cannot_hold_and_takes_fsdp2s_int(ranks):
     assert ranks(4).run(hpz_refusals) == [True] * 4
+
+
+def state_dict_under_a_param_wire():
+    model = minidist.ShardedDataParallel(build("mlp"), OPTIMIZERS["sgd"], stage=2, param_wire="int8")
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        model.module.state_dict()
+    keys = list(model.module.state_dict(keep_vars=True))  # keys and shapes stay readable
+    full = model.full_state_dict()  # the fp32 masters, exact
+    return keys == list(full)
+
+
+def test_state_dict_under_a_param_wire_refuses_rounded_weights_and_names_full_state_dict(ranks):
+    assert ranks(2).run(state_dict_under_a_param_wire) == [True, True]

@@ -11,6 +11,9 @@ or fail at once:
   was loaded), then also writes the loaded values into this rank's fp32 master shards:
   otherwise the next step would start from the old masters and gather them back over
   the loaded parameters.
+- stages 1-2 with a param_wire: the parameters are the wire's rounding of the masters, so
+  `state_dict()` refuses as stage 3's does (a checkpoint of it would resume from rounded
+  values), naming full_state_dict() / sharded_state_dict().
 - stage 3: the parameters hold no values between uses, and gathering them would be a
   collective that `if rank == 0: torch.save(model.state_dict())` would leave the other
   ranks out of (a hang). So `state_dict()` refuses, naming `full_state_dict()` (a
@@ -46,6 +49,13 @@ class ModuleStateHooks:
 
     def _before_state_dict(self, module, prefix, keep_vars) -> None:
         w = self.wrapper
+        if w.stage < 3 and getattr(w, "param_wire", None) is not None and not keep_vars:
+            raise RuntimeError(
+                f"ShardedDataParallel(stage={w.stage}, param_wire={w.param_wire.name!r}): state_dict() would return "
+                "the weights as the wire delivered them (rounded), not the fp32 master shards the optimizer steps: "
+                "a checkpoint of it would resume from rounded values. Use model.full_state_dict() on every rank "
+                "(a collective; rank0_only=True keeps the result on rank 0) or model.sharded_state_dict() (per "
+                "rank, no communication).")
         if w.stage < 3:
             w.wait_for_parameters()
         elif not keep_vars:
