@@ -496,8 +496,42 @@ def wires_section() -> list[str]:
         "exact sum of the wire-rounded ones, the module's weights are the wire's rendering of the masters).",
         "",
         *zeropp_lines(),
+        *ddp_before_after_lines(),
     ]
     return lines
+
+
+BEFORE_AFTER = DATA / "ddp_before_after.json"
+
+
+def ddp_before_after_lines() -> list[str]:
+    """scripts/measure_ddp_before_after.py: ddp / native_ddp before the wires and after."""
+    if not BEFORE_AFTER.is_file():
+        return []
+    d = load_record(BEFORE_AFTER)
+    r, p = d["results"], d["provenance"]
+    body, verdicts = [], []
+    for model, row in r["models"].items():
+        b, a = row["before"], row["after"]
+        body.append([model, f"{b['ratio']:.3f} [{b['ci'][0]:.3f}, {b['ci'][1]:.3f}]",
+                     f"{a['ratio']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}]"])
+        overlap = a["ci"][0] <= b["ci"][1] and b["ci"][0] <= a["ci"][1]
+        under = "at or under 1.00" if a["ratio"] <= 1.0 else "above 1.00"
+        verdicts.append(f"{model}: after {a['ratio']:.3f} ({under}; the target counts as met only when the whole "
+                        f"interval is: {'met' if a['ci'][1] <= 1.0 else 'not decided by this run' if a['ci'][0] <= 1.0 else 'NOT met'}), "
+                        + ("its interval overlaps before's: no cost measurable" if overlap
+                           else "its interval does not overlap before's: a measurable change"))
+    return [
+        f"Does `grad_wire=null` (the default) cost DataParallel anything? `{p['command']}` ({p['date']}, after = commit "
+        f"{p['commit'][:12]}, before = {r['before'][:12]}): ddp / native_ddp, each run interleaving the two step by "
+        "step (median of the paired ratios, 95% bootstrap interval), on the default gpt_nano and the "
+        "communication-bound mlp_wide:",
+        "",
+        markdown_table(["model", "before", "after"], body),
+        "",
+        "; ".join(verdicts) + ".",
+        "",
+    ]
 
 
 def zeropp_ratios(v: dict) -> dict[str, list[float]]:
