@@ -161,8 +161,10 @@ def wire_bytes_per_element(wire: str | None, default: float, block: int = 256) -
     return Wire(wire, block=block).chunk_bytes(block) / block
 
 
-# Patterns priced beside the strategies: name -> (strategy, its wire options)
-VARIANTS = {"zero3_zeropp": ("zero3", {"grad_wire": "int8", "param_wire": "int8", "secondary": True})}
+# Patterns priced beside the strategies: name -> (strategy, its wire options). ZeRO++ (int8 weights
+# and gradients, hpZ's host-local backward gathers) for each strategy that takes secondary_shard.
+ZEROPP = {"grad_wire": "int8", "param_wire": "int8", "secondary": True}
+VARIANTS = {f"{s.name}_zeropp": (s.name, ZEROPP) for s in specs("minidist") if "secondary_shard" in s.options}
 
 
 def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm_bytes: int = 2,

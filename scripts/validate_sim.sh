@@ -35,13 +35,7 @@ fi
 source scripts/lib/netns.sh
 
 netns_start "$0"
-for i in $(seq 1 "$HOSTS"); do  # each host's outgoing link: RATE (a queue large enough never to drop)
-    ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb limit 32mb \
-        || die "cannot shape eth0 with tc's tbf qdisc"
-    # TCP would restart slow start after every idle gap between two ring steps (a cluster's RDMA
-    # links do not): keep each connection's window, so the link runs at RATE.
-    ip netns exec "${PREFIX}h$i" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0
-done
+netns_shape "$RATE"  # each host's outgoing link: RATE
 echo "validate_sim: $HOSTS hosts x $NPROC_PER_HOST ranks, links between hosts shaped to $RATE; in $OUT"
 
 pids=()

@@ -38,11 +38,7 @@ fi
 source scripts/lib/netns.sh
 
 netns_start "$0"
-for i in $(seq 1 "$HOSTS"); do
-    ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$RATE" burst 64kb limit 32mb \
-        || die "cannot shape eth0 with tc's tbf qdisc"
-    ip netns exec "${PREFIX}h$i" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0
-done
+netns_shape "$RATE"
 echo "zeropp_local: $HOSTS hosts x $NPROC_PER_HOST ranks, links between hosts shaped to $RATE; runs in $OUT"
 
 declare -A ARGS=(

@@ -348,7 +348,9 @@ def native_keyword_arguments():
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
         "zero3: reshard_after_forward=False": lambda: SDP(mlp(), opt, stage=3, reshard_after_forward=False),
         "zero2: reshard_after_forward=True": lambda: SDP(mlp(), opt, stage=2, reshard_after_forward=True),
-        "zero3: reshard_after_forward=2": lambda: SDP(mlp(), opt, stage=3, reshard_after_forward=2),
+        "zero3: reshard_after_forward=2": lambda: SDP(mlp(), opt, stage=3, reshard_after_forward=2),  # hpZ
+        "zero3: reshard_after_forward=3": lambda: SDP(mlp(), opt, stage=3, reshard_after_forward=3),
+        "zero3: reshard_after_forward='yes'": lambda: SDP(mlp(), opt, stage=3, reshard_after_forward="yes"),
         "zero3: offload_policy": lambda: SDP(mlp(), opt, stage=3, offload_policy=CPUOffloadPolicy()),
         "zero3: mesh=DeviceMesh (1-D)": lambda: SDP(mlp(), opt, stage=3, mesh=init_device_mesh("cpu", (n,))),
         "zero3: mesh=DeviceMesh (2-D)": lambda: SDP(mlp(), opt, stage=3,

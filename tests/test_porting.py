@@ -97,6 +97,7 @@ def test_native_keyword_arguments_are_accepted_with_their_meaning_or_refused(ran
     r = ranks(2).run(cases.native_keyword_arguments)[0]
     for accepted in ("ddp: device_ids=None, static_graph, dim, check_reduction", "ddp: device_ids=[the module's device]",
                      "ddp: device_mesh (1-D)", "zero3: mp_policy", "zero3: reshard_after_forward=False",
+                     "zero3: reshard_after_forward=2",  # FSDP2's reshard to G ranks: hpZ's secondary shard
                      "zero3: mesh=DeviceMesh (1-D)"):
         assert r[accepted] == "accepted", (accepted, r[accepted])
     assert "device_ids=None for a CPU module" in r["ddp: device_ids=[1]"]
@@ -105,7 +106,8 @@ def test_native_keyword_arguments_are_accepted_with_their_meaning_or_refused(ran
     assert "does not take mixed_precision" in r["ddp: mixed_precision"] and "comm_hook" in r["ddp: mixed_precision"]
     assert "unexpected keyword argument(s) ['bucket_capmb']" in r["ddp: a typo"]
     assert "cannot reshard after forward: use stage=3" in r["zero2: reshard_after_forward=True"]
-    assert "an int (FSDP2's reshard to a smaller group) is not supported" in r["zero3: reshard_after_forward=2"]
+    assert "divides the shard group's 2" in r["zero3: reshard_after_forward=3"]
+    assert "give True" in r["zero3: reshard_after_forward='yes'"]
     assert "does not take offload_policy" in r["zero3: offload_policy"] and "no CPU offload" in r["zero3: offload_policy"]
     assert "minidist.init_mesh" in r["zero3: mesh=DeviceMesh (2-D)"]
     for stage in (2, 3):  # names the argument, not an internal class

@@ -117,9 +117,9 @@ def check_reshard_after_forward(value, stage: int):
     if value is None:
         return True
     if not isinstance(value, bool):
-        raise ValueError(f"ShardedDataParallel: reshard_after_forward={value!r}: an int (FSDP2's reshard to a "
-                         "smaller group) is not supported; give True (free each unit after its forward) or False "
-                         "(keep it gathered until its backward)")
+        raise ValueError(f"ShardedDataParallel: reshard_after_forward={value!r}: give True (free each unit after "
+                         "its forward), False (keep it gathered until its backward) or, at stage 3, an int G (FSDP2's "
+                         "reshard to G ranks: keep 1/G for the backward, gathered within G ranks; secondary_shard)")
     if stage < 3 and value:
         raise ValueError(f"ShardedDataParallel(stage={stage}) keeps the full parameters on every rank, so it "
                          "cannot reshard after forward: use stage=3 (reshard_after_forward=True is its default)")

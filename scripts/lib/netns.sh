@@ -1,11 +1,12 @@
 # Emulated hosts: Linux network namespaces with their own IP addresses on veth pairs joined by a
-# bridge. Sourced by scripts/multinode_local.sh and scripts/validate_sim.sh.
+# bridge. Sourced by scripts/multinode_local.sh, validate_sim.sh, elastic_local.sh and zeropp_local.sh.
 #
 #   HOSTS=2 PREFIX=md; source scripts/lib/netns.sh
 #   netns_start "$0"             # root or exit 3 with the reason; leftovers removed; the hosts up;
 #                                # everything removed again at exit (trap), whatever happens
 #   netns_torchrun 1 "$name" NPROC script.py args...   # host 1's share of a c10d-rendezvous job
 #   netns_lose_host 2; netns_add_host 2                  # a host gone, and back
+#   netns_shape 200mbit          # links between hosts at 200 Mbit/s (tc)
 #
 # Host i is namespace ${PREFIX}h$i with address $SUBNET.$i on its eth0; the rendezvous is at host 1.
 SUBNET=${SUBNET:-10.77.0}
@@ -42,6 +43,19 @@ netns_cleanup() {
     done
     ip link del "$BRIDGE" 2>/dev/null
     return 0
+}
+
+# netns_shape RATE: every host's outgoing link (eth0) sends at most RATE (tc's tbf, with a queue
+# large enough never to drop), so hosts are linked far more slowly than the ranks inside one.
+# TCP would restart slow start after every idle gap between two ring steps (a cluster's RDMA
+# links do not): each connection keeps its window, so the link runs at RATE.
+netns_shape() {
+    local i
+    for i in $(seq 1 "$HOSTS"); do
+        ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$1" burst 64kb limit 32mb \
+            || die "cannot shape eth0 with tc's tbf qdisc"
+        ip netns exec "${PREFIX}h$i" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0
+    done
 }
 
 # netns_lose_host HOST: the host vanishes as one that loses power does: its link goes first (so
