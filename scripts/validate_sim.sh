@@ -12,7 +12,7 @@
 #   sudo RATE=1gbit PARAMS=4194304 scripts/validate_sim.sh
 #
 # Environment: HOSTS (2), NPROC_PER_HOST (2), RATE (200mbit), PARAMS (fp32 values
-# per step, 1048576), MESSAGES (2), REPS (3), TOLERANCE (0.25), OUT (a new temp folder), PREFIX
+# per step, 1048576), MESSAGES (2), REPS (5), TOLERANCE (0.25), OUT (a new temp folder), PREFIX
 # (ms), TIMEOUT_S (300), PYTHON (.venv/bin/python, else python3 on PATH). Needs root; without it, exit 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ NPROC_PER_HOST=${NPROC_PER_HOST:-2}
 RATE=${RATE:-200mbit}
 PARAMS=${PARAMS:-1048576}
 MESSAGES=${MESSAGES:-2}
-REPS=${REPS:-3}
+REPS=${REPS:-5}
 TOLERANCE=${TOLERANCE:-0.25}
 PREFIX=${PREFIX:-ms}
 TIMEOUT_S=${TIMEOUT_S:-300}
