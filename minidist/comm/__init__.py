@@ -9,7 +9,8 @@ communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
 rank" are measured, not computed from formulas.
 
 all_reduce, all_gather_into and reduce_scatter_tensor also take `wire_dtype`: what travels
-(bf16, fp16 or block-scaled int8), summed in fp32 on the receiving rank (wire.py); the tracer
+(bf16, fp16 or block-scaled int8), summed in full precision on the receiving rank (fp64, rounded
+once: wire.py); the tracer
 records the wire's bytes. And `algorithm`:
 "backend" (torch.distributed's), "ring" (ours, built from isend/irecv: ring.py) or
 "auto" (the ring where it measurably beats the backend — gloo's reduce_scatter and
@@ -332,7 +333,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring.
-    wire_dtype (sum only): what travels (bf16, fp16, int8 with block scales: wire.py), summed in fp32."""
+    wire_dtype (sum only): what travels (bf16, fp16, int8 with block scales: wire.py), summed in full precision."""
     wire = _wire_for_sum("all_reduce", op, wire_dtype)
     if wire is not None:
         n = dist.get_world_size(group)
@@ -408,7 +409,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           async_op: bool = False, algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
     algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins).
-    wire_dtype (sum only): each input rounded to it once, the chunks summed in fp32 (wire.py)."""
+    wire_dtype (sum only): each input rounded to it once, the chunks summed in full precision (wire.py)."""
     wire = _wire_for_sum("reduce_scatter", op, wire_dtype)
     if wire is not None:
         rec = _record("reduce_scatter", dist.get_world_size(group) * wire.chunk_bytes(output.numel()), wire.label,

@@ -8,7 +8,7 @@
 Stages 1-2 do it per bucket (zero.py), stage 3 per unit (zero3.py); what differs between
 them is only when the buffer exists and when each step runs. The wire format
 (`grad_wire`: what travels, minidist.comm.wire) is chosen here, so it applies to every stage
-alike: the gradients are rounded to it once, on the sending rank, and summed in fp32.
+alike: the gradients are rounded to it once, on the sending rank, and summed in full precision.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ class ShardedGradReduce:
             all_reduced over (None: no second level).
         dtype: the dtype of the buffers (reduce_dtype).
         algorithm: the collectives' algorithm (minidist.comm.choose_algorithm).
-        wire: None (the buffer's dtype travels), or a minidist.comm.wire format name.
+        wire: None (the buffer's dtype travels), or a minidist.comm.wire.Wire (or a format name).
     """
 
     def __init__(self, *, dp_size: int, group, replicate_group=None, dtype: torch.dtype,
-                 algorithm: str = "auto", wire: str | None = None):
+                 algorithm: str = "auto", wire=None):
         self.scale = 1.0 / dp_size
         self.group, self.dtype, self.algorithm, self.wire = group, dtype, algorithm, wire
         self.replicas = ReplicaReduce(replicate_group, algorithm, wire=wire) if replicate_group is not None else None
