@@ -51,10 +51,12 @@ def world_for(strategy: str) -> int:
 
 
 def mesh_options(strategy: str) -> tuple[str, ...]:
-    """A hybrid strategy's overrides for world_for's 2x2 mesh: shard groups of 2, 2 replicas."""
+    """A hybrid strategy's overrides for world_for's 2x2 mesh: shard groups of 2, 2 replicas (DiLoCo's:
+    2 workers of 2 ranks, DDP within each)."""
     from minidist.train.strategies import spec
 
-    return ("strategy.shard_size=2",) if spec(strategy).hybrid else ()
+    s = spec(strategy)
+    return (("strategy.shard_size=2",) + (("strategy.inner=ddp",) if "inner" in s.options else ())) if s.hybrid else ()
 
 
 def tiny(*extra: str, strategy: str = "ddp") -> dict:

@@ -12,6 +12,9 @@ engine), never files.
     dcp        torch.distributed.checkpoint's folder (dcp/): every rank writes its own shards at
                once, nothing is gathered (native_fsdp, native_hsdp); dcp_files.py reads it safely;
                and layout.pt, the module's key order
+    workers    DiLoCo's: worker%05d.pt per worker (its own weights and inner optimizer state, by its
+               first rank), outer.pt (the outer weights, momentum and the round's place, whole, by
+               rank 0) and layout.pt; consolidated, it is the outer (synchronised) weights
 
 Any layout but DeepSpeed's also gives its state in one portable form (`portable`): the plain
 state_dict, and the optimizer's state keyed by parameter name, as torch.distributed.checkpoint's
@@ -87,11 +90,7 @@ class Full(Collected):
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
         """`names`: the model's parameters in order (the optimizer's numbering, where its state is
         numbered; fully_shard's is keyed by name already)."""
-        optim = load_tensors(ckpt / OPTIMIZER)
-        name = lambda key: key if isinstance(key, str) else names[int(key)]  # noqa: E731
-        return load_tensors(ckpt / MODEL), {
-            "state": {name(k): v for k, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in optim["param_groups"]]}
+        return load_tensors(ckpt / MODEL), named_optimizer_state(load_tensors(ckpt / OPTIMIZER), names)
 
     def describe(self, meta: dict) -> str:
         return f"a full state_dict ({MODEL}, {OPTIMIZER})"
@@ -245,15 +244,94 @@ class Distributed:
         return f"torch.distributed.checkpoint's own ({DCP}/: a file per rank, nothing gathered) and {LAYOUT}"
 
 
-LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout(), Distributed())}
+def named_optimizer_state(optim: dict, names: list[str]) -> dict:
+    """A torch optimizer's state_dict keyed by parameter name (`names`: the parameters in its
+    numbering; a state keyed by name already stays so)."""
+    name = lambda key: key if isinstance(key, str) else names[int(key)]  # noqa: E731
+    return {"state": {name(k): v for k, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in optim["param_groups"]]}
 
 
-def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout | Distributed:
+OUTER = "outer.pt"
+
+
+def worker_path(directory: Path, worker: int) -> Path:
+    return Path(directory) / f"worker{worker:05d}.pt"
+
+
+class Workers(Collected):
+    """DiLoCo's workers each hold their own weights and inner optimizer state: one file per worker,
+    and the outer state once. At another number of workers, worker w resumes from saved worker
+    w mod (the saved number), with the outer state as saved."""
+
+    name = "workers"
+
+    def collect(self, strategy) -> dict[str, object]:
+        outer = strategy.outer.full_state_dict()  # a collective within each worker: every rank calls it
+        files = {}
+        if strategy.worker_rank == 0:
+            net = {k: v.detach().cpu().clone() for k, v in strategy.net.state_dict().items()}
+            files[worker_path(Path(), strategy.worker).name] = {"model": net,
+                                                                "optimizer": strategy.optimizer.state_dict()}
+        if strategy.ctx.rank == 0:
+            trained = [n for n, p in strategy.net.named_parameters() if p.requires_grad]
+            files[OUTER] = {**outer, "params": fragment_names(trained, strategy.outer.fragments)}
+            files[LAYOUT] = state_dict_layout(strategy.net)
+        return files
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        device = strategy.ctx.device
+        own = load_tensors(worker_path(directory, strategy.worker % Sharded.shards(meta)), map_location=device)
+        strategy.net.load_state_dict(own["model"])
+        strategy.optimizer.load_state_dict(own["optimizer"])
+        strategy.outer.load_full_state_dict(load_tensors(Path(directory) / OUTER, map_location=device))
+
+    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in load_tensors(worker_path(ckpt, 0), mmap=True)["model"].items()}
+
+    def consolidate(self, ckpt: Path, meta: dict) -> dict:
+        """Worker 0's state_dict with every trained parameter the outer weights: the model every
+        worker agrees on (at the end of training, and after every round, their own weights)."""
+        model = load_tensors(worker_path(ckpt, 0))["model"]
+        outer, layout = load_tensors(Path(ckpt) / OUTER), load_tensors(Path(ckpt) / LAYOUT)
+        key_of = {name: key for key, name in layout["params"].items()}
+        weights = {}
+        for names, frag in zip(outer["params"], outer["fragments"]):
+            offset = 0
+            for name in names:
+                like = model[key_of[name]]
+                weights[name] = frag["start"][offset:offset + like.numel()].view(like.shape).to(like.dtype)
+                offset += like.numel()
+        return {key: weights[layout["params"][key]] if layout["params"].get(key) in weights else value
+                for key, value in model.items()}
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        """The outer weights, and worker 0's inner optimizer state by parameter name."""
+        optim = load_tensors(worker_path(ckpt, 0))["optimizer"]
+        return self.consolidate(ckpt, meta), named_optimizer_state(optim, names)
+
+    def describe(self, meta: dict) -> str:
+        return f"DiLoCo's: {Sharded.shards(meta)} worker file(s) and the outer state ({OUTER})"
+
+
+def fragment_names(trained: list[str], fragments) -> list[list[str]]:
+    """The trained parameters' names, fragment by fragment (each fragment's params in order)."""
+    out, i = [], 0
+    for f in fragments:
+        out.append(trained[i:i + len(f.params)])
+        i += len(f.params)
+    return out
+
+
+LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout(), Distributed(), Workers())}
+
+
+def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout | Distributed | Workers:
     """The layout a strategy's checkpoints use: its spec's `checkpoint`."""
     return LAYOUTS[strategy.spec.checkpoint if strategy.spec is not None else "full"]
 
 
-def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout | Distributed:
+def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout | Distributed | Workers:
     """The layout a checkpoint was written in (meta.pt's `layout`; older ones said `sharded`, and
     DeepSpeed's were told apart by their strategy)."""
     from minidist.train.errors import ConfigError

@@ -106,6 +106,7 @@ def build_training_state(cfg, strategy_cfg, ctx, info, total_steps: int) -> Trai
     torch.manual_seed(int(t.seed))  # the same initial weights on every rank and for every strategy
     net = build_model(cfg.model, info).to(ctx.device)
     strategy = build_strategy(strategy_cfg, ctx, str(t.precision))
+    strategy.total_steps = int(total_steps)
     optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
     model, optimizer = strategy.wrap(net, optim_cls, optim_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

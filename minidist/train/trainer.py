@@ -283,6 +283,7 @@ class Trainer:
         self.scaler.load_state_dict(meta["scaler"])
         self.sampler.load_state_dict(meta["data"])
         self.step = int(meta["step"])
+        self.strategy.resumed_at(self.step)
         self.saved = self.step, ckpt
         converted = (meta["strategy"], meta["world_size"]) != (self.strategy.name, self.ctx.world_size)
         if meta["world_size"] != self.ctx.world_size:  # not the same ranks: fresh per-rank streams, reproducibly

@@ -38,6 +38,7 @@ class Strategy:
     # The profiler's c10d events do not say their group: ops that run on a subgroup, by op -> its size
     # (everything else is counted at the world size). Only strategies the tracer cannot see need it.
     op_group_sizes: dict[str, int] = {}
+    total_steps: int | None = None  # the run's last step (build_training_state sets it before wrap)
 
     def __init__(self, cfg, ctx, compute_dtype: torch.dtype | None = None):
         self.cfg, self.ctx = cfg, ctx
@@ -116,6 +117,10 @@ class Strategy:
 
     def load_full_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state)
+
+    def resumed_at(self, step: int) -> None:
+        """A checkpoint of step `step` was loaded (strategies that count steps themselves check or
+        set theirs here)."""
 
     def load_portable(self, model_state: dict, optim_state: dict) -> None:
         """Load a checkpoint of another strategy or world size, in its portable form: the plain

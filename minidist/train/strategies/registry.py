@@ -22,7 +22,7 @@ from minidist.train.errors import ConfigError
 from minidist.train.strategies.spec import StrategySpec
 
 FAMILIES = ("minidist.train.strategies.ours", "minidist.train.strategies.native",
-            "minidist.train.strategies.deepspeed")
+            "minidist.train.strategies.deepspeed", "minidist.train.strategies.local_sgd")
 # A minidist strategy whose own reference is not in a comparison is checked against this one
 # when it is there: every strategy trains the same model on the same data, so all should agree.
 STAND_IN_REFERENCE = "native_ddp"

@@ -11,7 +11,8 @@ bound and the cost model (costmodel.py) all price a strategy the same way:
 
 - `collectives`: what one optimizer step sends. Each entry is an op over a group of ranks
   (the world; the shard group of S ranks; the replicas, R = n / S, one rank of each shard
-  group) carrying the whole model or one shard group's 1/S of it, `count` times.
+  group) carrying the whole model or one shard group's 1/S of it, `count` times; a `per_round`
+  one once every strategy.sync_every steps (DiLoCo's outer step), so 1/H of it a step.
 - `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
   1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
 
@@ -28,7 +29,7 @@ from typing import Callable
 from minidist import comm
 
 KINDS = ("minidist", "native", "deepspeed")
-CHECKPOINTS = ("full", "sharded", "deepspeed", "dcp")
+CHECKPOINTS = ("full", "sharded", "deepspeed", "dcp", "workers")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 GROUPS = ("world", "shard", "replicas")
 
@@ -44,12 +45,14 @@ SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
 @dataclass(frozen=True)
 class Collective:
     """One collective a step performs: `op` over `group`, carrying `payload` ("model": all Ψ
-    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step."""
+    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step; `per_round`: once per round
+    of strategy.sync_every (H) steps instead."""
 
     op: str
     group: str = "world"
     payload: str = "model"
     count: int = 1
+    per_round: bool = False
 
     def __post_init__(self):
         if self.op not in OPS or self.group not in GROUPS or self.payload not in ("model", "shard"):
@@ -97,6 +100,13 @@ class StrategySpec:
     # Its optimizer steps flat slices cut across parameters (ZeRO's flat shards), so only an
     # element-wise optimizer class is exact there (minidist.parallel.shard_optimizer).
     flat_optimizer_shards: bool = False
+    # What a comparison checks it by: "parameters" (equal to its reference's within
+    # compare.tolerance) or "loss" (its final loss within compare.loss_tolerance of its
+    # reference's: an algorithm whose weights are not expected equal, such as DiLoCo's).
+    checked_by: str = "parameters"
+    # fp32 copies of the model it keeps besides the model state, over its shard group's S ranks
+    # (DiLoCo: the outer weights and the outer momentum, 2).
+    outer_copies: int = 0
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -105,6 +115,8 @@ class StrategySpec:
             raise ValueError(f"StrategySpec {self.name!r}: checkpoint={self.checkpoint!r}, choose one of {CHECKPOINTS}")
         if self.messages not in ("buckets", "units") or not 0 <= self.zero_stage <= 3:
             raise ValueError(f"StrategySpec {self.name!r}: messages buckets|units, zero_stage 0-3")
+        if self.checked_by not in ("parameters", "loss"):
+            raise ValueError(f"StrategySpec {self.name!r}: checked_by parameters | loss")
         if any(c.group != "world" for c in self.collectives) and not self.hybrid:
             raise ValueError(f"StrategySpec {self.name!r}: shard/replica collectives need hybrid=True")
 
@@ -128,9 +140,11 @@ class StrategySpec:
             raise ValueError(f"StrategySpec {self.name!r}: an op on two groups; a trace cannot tell them apart")
         return ops
 
-    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: int = 4) -> dict[str, float]:
+    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: int = 4,
+                   sync_every: int = 1) -> dict[str, float]:
         """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
-        hybrid strategy without `shard`, the size S of its shard groups)."""
+        hybrid strategy without `shard`, the size S of its shard groups); the per-round
+        collectives averaged over their round of `sync_every` steps."""
         sizes = self.group_sizes(n, shard)
         if n <= 1 or sizes is None:
             return {}
@@ -140,7 +154,7 @@ class StrategySpec:
             m = psi * element_bytes / (shard if c.payload == "shard" else 1)
             sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
             if sent:
-                out[c.op] = out.get(c.op, 0.0) + c.count * sent
+                out[c.op] = out.get(c.op, 0.0) + c.count * sent / (sync_every if c.per_round else 1)
         return out
 
     def sharded_over(self, part: str) -> bool:
@@ -150,4 +164,6 @@ class StrategySpec:
         """Parameters + gradients + Adam's state per rank: each part whole, or 1/(ranks it is
         sharded over) of it (the shard group's S for a hybrid strategy, the world's n otherwise)."""
         over = (shard or n) if self.hybrid else n
-        return sum(b * psi / (over if self.sharded_over(part) else 1) for part, b in STATE_BYTES[precision].items())
+        outer = 4 * self.outer_copies * psi / ((shard or 1) if self.hybrid else 1)
+        return outer + sum(b * psi / (over if self.sharded_over(part) else 1)
+                           for part, b in STATE_BYTES[precision].items())

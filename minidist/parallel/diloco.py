@@ -1,0 +1,291 @@
+"""DiLoCo and streaming DiLoCo: workers train apart for H steps, then average what they learned.
+
+    outer = minidist.DiLoCo(net.parameters(), sync_every=8, outer_lr=0.7, outer_momentum=0.9)
+    for x, y in batches:                      # each worker (a rank, or a host's ranks under DDP) its own
+        loss_fn(net(x), y).backward()
+        inner_optimizer.step(); inner_optimizer.zero_grad()
+        outer.after_inner_step()              # every H steps: the outer step, across the workers
+
+DiLoCo (Douillard et al. 2023): each worker runs the inner optimizer on its own replica. Every
+H steps the *pseudo-gradient* of the round, start-of-round weights minus current weights, is
+averaged over the workers (one all_reduce) and handed to an outer optimizer, Nesterov SGD, that
+updates the start-of-round ("outer") weights; every worker continues from them. With H = 1,
+outer_lr = 1 and no momentum this is exactly data parallelism on a linear inner optimizer
+(SGD): the average of the workers' updated weights is the update by the averaged gradient.
+
+Streaming DiLoCo (Douillard et al. 2025) splits the parameters into `fragments` synced at
+staggered steps (fragment f at the steps t with t mod H = (f+1) H / F), so the link carries
+1/F of the model at a time; each fragment's all_reduce starts `sync_delay` (tau) steps before
+its outer update and runs behind those inner steps. When it lands, the worker's fragment becomes
+the new outer weights, keeping `mixing` (alpha) of its own weights: p = lerp(global, local, alpha).
+`wire` (bf16, fp16, int8 with block scales) is what the pseudo-gradients travel as; they are
+summed in full precision (minidist.comm.wire), and the outer weights stay fp32.
+
+Where each rank sits: a worker is `worker_group` (the ranks of one inner data-parallel replica,
+which hold the same weights: S of them), and `across_group` joins the workers' ranks of the same
+place in them (R workers). Each rank owns 1/S of every fragment: it keeps that slice of the
+outer weights and momentum (8 bytes a parameter over S), all_reduces that slice's pseudo-gradient
+across the workers, and the worker's ranks all_gather the updated slices. What crosses between
+workers is the model once per round, whatever S. Both groups must be groups of their own (not
+the world's default group): an outer all_reduce in flight must not queue the inner steps'
+collectives behind it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from minidist import comm
+from minidist.comm.wire import as_wire
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def split_evenly(params: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """`params` in order, cut into `parts` contiguous runs of about equal numbers of elements
+    (a GPT's blocks fall into consecutive fragments); none empty."""
+    if not 1 <= parts <= len(params):
+        raise ValueError(f"fragments={parts}: choose between 1 and the {len(params)} parameters")
+    total, out, run, seen = sum(p.numel() for p in params), [], [], 0
+    for i, p in enumerate(params):
+        run.append(p)
+        seen += p.numel()
+        left_params, left_parts = len(params) - i - 1, parts - len(out) - 1
+        if left_parts and (seen >= total * (len(out) + 1) / parts or left_params == left_parts):
+            out.append(run)
+            run = []
+    out.append(run)
+    return out
+
+
+@dataclass
+class Fragment:
+    """One fragment: its parameters, this rank's slice of their outer weights, its outer optimizer,
+    and its all_reduce while in flight."""
+
+    index: int
+    params: list[torch.Tensor]
+    lo: int                                   # this rank's slice [lo, hi) of the flat, padded fragment
+    hi: int
+    padded: int                               # the flat length, padded to a multiple of S
+    start: torch.nn.Parameter                 # the outer weights' slice (fp32): the round's start
+    outer: torch.optim.SGD
+    phase: int                                # its outer update comes at the steps t with t % H == phase
+    delta: torch.Tensor | None = None         # the pseudo-gradient being averaged
+    handle: object = None
+    apply_at: int | None = None
+    synced_at: int = 0                        # the last step its outer update was applied
+
+    def flat(self) -> torch.Tensor:
+        """The fragment's current weights, flat, fp32, padded to `padded`."""
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))
+
+
+class DiLoCo:
+    """The outer loop over a worker's parameters (module doc). Call `after_inner_step()` after
+    every inner optimizer step; `finish()` ends a partial round (the last step does it by itself
+    when `total_steps` is given), so the workers end with the same weights.
+
+    Args:
+        params: the parameters the inner optimizer updates (the same on the ranks of a worker).
+        sync_every: H, the inner steps between a fragment's outer updates.
+        outer_lr, outer_momentum: the outer Nesterov SGD's (momentum 0: plain SGD).
+        fragments, sync_delay, mixing: streaming DiLoCo (module doc); 1, 0, 0 is DiLoCo.
+        wire: what the pseudo-gradients travel as (None: fp32; "bf16", "fp16", "int8", a Wire).
+        worker_group, across_group: see the module doc (None with one rank).
+        total_steps: the run's last step, at which every fragment is synced.
+    """
+
+    def __init__(self, params, *, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 fragments: int = 1, sync_delay: int = 0, mixing: float = 0.0, wire=None,
+                 worker_group=None, across_group=None, total_steps: int | None = None):
+        params = [p for p in params if p.requires_grad]
+        check_schedule(sync_every, fragments, sync_delay, mixing, outer_lr, outer_momentum)
+        self.sync_every, self.fragments_n, self.sync_delay, self.mixing = sync_every, fragments, sync_delay, mixing
+        self.wire = as_wire(wire)
+        self.worker_group, self.across_group = worker_group, across_group
+        self.workers = group_size(across_group) if across_group is not None else 1
+        self.total_steps = total_steps
+        self.step = 0  # inner steps taken
+        S, s = (group_size(worker_group), group_rank(worker_group)) if worker_group is not None else (1, 0)
+        self.shard, self.shard_rank = S, s
+        self.fragments: list[Fragment] = []
+        for f, run in enumerate(split_evenly(params, fragments)):
+            n = sum(p.numel() for p in run)
+            padded = -(-n // S) * S
+            lo, hi = s * padded // S, (s + 1) * padded // S
+            frag = Fragment(f, run, lo, hi, padded, start=None, outer=None,
+                            phase=((f + 1) * sync_every // fragments) % sync_every)
+            frag.start = torch.nn.Parameter(frag.flat()[lo:hi].clone(), requires_grad=False)
+            frag.outer = torch.optim.SGD([frag.start], lr=outer_lr, momentum=outer_momentum,
+                                         nesterov=outer_momentum > 0)
+            self.fragments.append(frag)
+
+    # -- the schedule
+    def after_inner_step(self) -> None:
+        """Count the step; start the all_reduce of every fragment due `sync_delay` steps from now,
+        and apply every outer update due now (all of them at the last step)."""
+        self.step += 1
+        last = self.total_steps is not None and self.step >= self.total_steps
+        for f in self.fragments:
+            due = self.step + self.sync_delay
+            if f.handle is None and due % self.sync_every == f.phase and \
+                    (self.total_steps is None or due <= self.total_steps):
+                self._launch(f, due)
+        for f in self.fragments:
+            if f.apply_at == self.step:
+                self._apply(f, mixing=0.0 if last else self.mixing)
+        if last:
+            self.finish()
+
+    def finish(self) -> None:
+        """End the round now: every fragment's outer update, in flight or not yet started, applied
+        with no mixing, so every worker holds the same weights."""
+        for f in self.fragments:
+            if f.handle is None and f.synced_at != self.step:
+                self._launch(f, self.step)
+            if f.handle is not None:
+                self._apply(f, mixing=0.0)
+
+    def _launch(self, f: Fragment, apply_at: int) -> None:
+        f.delta = f.start.detach() - f.flat()[f.lo:f.hi]  # the round's pseudo-gradient, this rank's slice
+        f.apply_at = apply_at
+        f.handle = comm.all_reduce(f.delta, group=self.across_group, async_op=True, wire_dtype=self.wire) \
+            if self.workers > 1 else None
+        if f.handle is None:
+            f.handle = _Done()
+
+    def _apply(self, f: Fragment, mixing: float) -> None:
+        f.handle.wait()
+        f.start.grad = f.delta.div_(self.workers)
+        f.outer.step()
+        f.start.grad, f.delta, f.handle, f.apply_at = None, None, None, None
+        f.synced_at = self.step
+        self._write_back(f, mixing)
+
+    @torch.no_grad()
+    def _write_back(self, f: Fragment, mixing: float) -> None:
+        """Every rank of the worker: the whole fragment's new outer weights, into its parameters."""
+        if self.shard > 1:
+            full = torch.empty(f.padded, dtype=f.start.dtype, device=f.start.device)
+            comm.all_gather_into(full, f.start.detach(), group=self.worker_group)
+        else:
+            full = f.start.detach()
+        offset = 0
+        for p in f.params:
+            new = full[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            p.copy_(new if mixing == 0 else torch.lerp(new, p, mixing))
+            offset += p.numel()
+
+    # -- state
+    def _gathered(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
+        """The whole fragment from every rank's slice `piece` (a collective within the worker),
+        unpadded: the form that loads at any S."""
+        n = sum(p.numel() for p in f.params)
+        if self.shard == 1:
+            return piece.detach().clone()[:n]
+        full = torch.empty(f.padded, dtype=piece.dtype, device=piece.device)
+        comm.all_gather_into(full, piece.detach().contiguous(), group=self.worker_group)
+        return full[:n].clone()
+
+    def _slice(self, f: Fragment, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole fragment saved by `full_state_dict` (any S)."""
+        full = torch.nn.functional.pad(full.to(f.start.device).float(), (0, f.padded - full.numel()))
+        return full[f.lo:f.hi].clone()
+
+    def full_state_dict(self) -> dict:
+        """The outer state, whole (a collective within the worker): per fragment the outer weights,
+        the outer momentum and an all_reduce in flight (waited for here: its averaged result is
+        kept, to be applied at its step on resume); and the step. Loadable at any S."""
+        frags = []
+        for f in self.fragments:
+            pending = None
+            if f.handle is not None:
+                f.handle.wait()
+                f.handle = _Done()
+                pending = {"apply_at": f.apply_at, "delta": self._gathered(f, f.delta)}
+            buf = f.outer.state.get(f.start, {}).get("momentum_buffer")
+            frags.append({"start": self._gathered(f, f.start), "pending": pending, "synced_at": f.synced_at,
+                          "momentum": None if buf is None else self._gathered(f, buf)})
+        return {"step": self.step, "fragments": frags}
+
+    def load_full_state_dict(self, state: dict) -> None:
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(f"the checkpoint's outer state has {len(state['fragments'])} fragment(s), this run "
+                             f"{len(self.fragments)}: resume with the same strategy.fragments")
+        self.step = int(state["step"])
+        for f, saved in zip(self.fragments, state["fragments"]):
+            n = sum(p.numel() for p in f.params)
+            if saved["start"].numel() != n:
+                raise ValueError(f"fragment {f.index}: the checkpoint's has {saved['start'].numel()} elements, "
+                                 f"this model's {n}")
+            with torch.no_grad():
+                f.start.copy_(self._slice(f, saved["start"]))
+            f.outer.state.clear()
+            if saved["momentum"] is not None:
+                f.outer.state[f.start] = {"momentum_buffer": self._slice(f, saved["momentum"])}
+            f.synced_at = int(saved["synced_at"])
+            pending = saved["pending"]
+            f.delta, f.apply_at = (self._slice(f, pending["delta"]), int(pending["apply_at"])) if pending \
+                else (None, None)
+            f.handle = _Done() if pending else None
+
+    def restart(self, step: int) -> None:
+        """A new round from the parameters as they are now, at `step` (weights loaded from another
+        strategy's checkpoint): outer weights = the current ones, no momentum, nothing in flight."""
+        self.step = step
+        for f in self.fragments:
+            with torch.no_grad():
+                f.start.copy_(f.flat()[f.lo:f.hi])
+            f.outer.state.clear()
+            f.delta, f.handle, f.apply_at, f.synced_at = None, None, None, step
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        """What the outer loop adds on this rank: the outer weights' slices, their momentum and the
+        pseudo-gradients in flight."""
+        out = []
+        for f in self.fragments:
+            out.append(f.start)
+            out += [v for st in f.outer.state.values() for v in st.values() if torch.is_tensor(v)]
+            if f.delta is not None:
+                out.append(f.delta)
+        return out
+
+
+class _Done:
+    """A completed operation (one worker: nothing to average; a restored one: already averaged)."""
+
+    def wait(self, timeout=None) -> None:
+        pass
+
+
+def check_schedule(sync_every, fragments, sync_delay, mixing, outer_lr, outer_momentum) -> None:
+    """Errors naming the option and the fix, before any work."""
+    def whole(name, value, low):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be a whole number >= {low}")
+    whole("sync_every", sync_every, 1)
+    whole("fragments", fragments, 1)
+    whole("sync_delay", sync_delay, 0)
+    if sync_every % fragments:
+        raise ValueError(f"sync_every={sync_every} with fragments={fragments}: each fragment syncs every "
+                         f"sync_every steps, one every sync_every/fragments: choose fragments dividing sync_every")
+    if sync_delay >= sync_every // fragments:
+        raise ValueError(f"sync_delay={sync_delay}: a fragment's all_reduce must land before the next fragment's "
+                         f"starts, {sync_every // fragments} step(s) later: choose sync_delay < "
+                         f"sync_every/fragments = {sync_every // fragments}")
+    if not 0.0 <= mixing <= 1.0:
+        raise ValueError(f"mixing={mixing} must be between 0 (take the outer weights) and 1 (keep the local ones)")
+    if outer_lr <= 0 or not 0.0 <= outer_momentum < 1.0:
+        raise ValueError(f"outer_lr={outer_lr}, outer_momentum={outer_momentum}: need outer_lr > 0 and "
+                         "0 <= outer_momentum < 1")
