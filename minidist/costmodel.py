@@ -68,8 +68,22 @@ def strategies() -> tuple[str, ...]:
     """The strategies priced: minidist's own shipped ones that communicate (native PyTorch's and
     DeepSpeed's move the same bytes as their minidist counterparts), in the registry's order.
     Read at each call, so a strategy added to the registry's families is priced at once; one a
-    script registers for itself is not (the documents rendered from here describe minidist's)."""
-    return tuple(s.name for s in specs("minidist", shipped_only=True) if s.collectives)
+    script registers for itself is not (the documents rendered from here describe minidist's).
+    DiLoCo's are another algorithm, not another way to compute the same step: they are priced
+    apart (local_sgd_strategies, diloco_crossover), never recommended for the same result."""
+    return tuple(s.name for s in specs("minidist", shipped_only=True) if s.collectives and s.checked_by == "parameters")
+
+
+def local_sgd_strategies() -> tuple[str, ...]:
+    """minidist's strategies that synchronise once per round of strategy.sync_every steps (DiLoCo's)."""
+    return tuple(s.name for s in specs("minidist", shipped_only=True) if any(c.per_round for c in s.collectives))
+
+
+def default_sync_every(strategy: str) -> int:
+    """strategy.sync_every as its YAML sets it (1 for a strategy without rounds)."""
+    from minidist.train.strategies import strategy_options
+
+    return int(strategy_options(strategy).get("sync_every", 1)) if "sync_every" in spec(strategy).options else 1
 
 
 @dataclass(frozen=True)
@@ -170,7 +184,7 @@ VARIANTS = {f"{s.name}_zeropp": (s.name, ZEROPP) for s in specs("minidist") if "
 def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm_bytes: int = 2,
                    algorithm: str = "ring", units: int = 24, bucket_bytes: float = 25 * 2**20,
                    shard: int | None = None, grad_wire: str | None = None, param_wire: str | None = None,
-                   secondary: bool = False) -> dict[str, float]:
+                   secondary: bool = False, sync_every: int | None = None) -> dict[str, float]:
     """Seconds of communication per optimizer step: "group" (the world's collectives, or the
     shard group's), "replicas" (the all_reduce across replicas) and "total".
 
@@ -179,9 +193,11 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
     `grad_wire` / `param_wire` (strategy.grad_wire / param_wire): the gradients' reduce_scatter or
     all_reduce becomes the wire's all-to-all (then, for an all_reduce, a ring all_gather) of its
     bytes per element; the parameters' all_gathers are rings of the wire's bytes. `secondary`
-    (hpZ, stage 3): the second all_gather runs within each host, at comm_bytes."""
-    if strategy not in strategies():
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {strategies()}")
+    (hpZ, stage 3): the second all_gather runs within each host, at comm_bytes. `sync_every`
+    (DiLoCo's H; None: its YAML's): a per-round collective costs 1/H of itself a step."""
+    if strategy not in strategies() + local_sgd_strategies():
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {strategies() + local_sgd_strategies()}")
+    H = default_sync_every(strategy) if sync_every is None else int(sync_every)
     s = spec(strategy)
     G, N = c.per_host, hosts * c.per_host
     S = shard or G
@@ -195,6 +211,7 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
     param_per = wire_bytes_per_element(param_wire, comm_bytes) / comm_bytes
     out = {"group": 0.0, "replicas": 0.0}
     for op in s.collectives:
+        share = 1 / H if op.per_round else 1  # once a round of H steps
         payload = size / S if op.payload == "shard" else size
         n, link = ranks[op.group], links[op.group]
         replicas = op.group == "replicas"
@@ -215,12 +232,36 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
             t = op.count * (ring_steps_time(n, payload * param_per, link, 1, messages) + coded)
             if secondary and op.count == 2:  # hpZ: the backward's gather within the host, from the kept copy
                 t = t / 2 + ring_steps_time(min(n, G), payload, ring_link(c, min(n, G)), 1, messages)
-            out["replicas" if replicas else "group"] += t
+            out["replicas" if replicas else "group"] += share * t
             continue
         else:
             raise ValueError(f"{strategy}: the cost model prices rings, not {op.op}")
-        out["replicas" if replicas else "group"] += op.count * t
+        out["replicas" if replicas else "group"] += share * op.count * t
     return {**out, "total": out["group"] + out["replicas"]}
+
+
+def diloco_crossover(params: float, hosts: int, c: Cluster, compute_s: float, *, sync_every: int,
+                     token_factor: float = 1.0, strategy: str = "diloco", reference: str = "ddp",
+                     **priced) -> float:
+    """The link speed between hosts (c.inter_bw, bytes/s a host) below which `strategy` at H =
+    `sync_every` reaches `reference`'s loss sooner: where token_factor x (compute_s + its
+    communication) < compute_s + the reference's, communication not overlapped. token_factor:
+    the tokens it needs for the reference's loss over the reference's (measured: 1 or less, it
+    wins on any link). `priced`: step_comm_time's other options (comm_bytes, units, shard, ...)."""
+    def advantage(bw: float) -> float:
+        at = replace(c, inter_bw=bw)
+        ours = step_comm_time(strategy, params, hosts, at, sync_every=sync_every, **priced)["total"]
+        theirs = step_comm_time(reference, params, hosts, at, **priced)["total"]
+        return (compute_s + theirs) - token_factor * (compute_s + ours)
+    low, high = 1e3, 1e14
+    if advantage(high) >= 0:
+        return math.inf  # faster on every link
+    if advantage(low) < 0:
+        return 0.0
+    for _ in range(200):  # bisect in log space
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if advantage(mid) >= 0 else (low, mid)
+    return low
 
 
 def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None) -> float:

@@ -32,6 +32,7 @@ from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's
 from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+import diloco_doc  # noqa: E402
 from doc_pipeline import Document, fill_quotes, load as load_record, main, provenance, record, run_recipe  # noqa: E402
 
 OUT = ROOT / "outputs" / "benchmarks"
@@ -636,6 +637,7 @@ def render(img: Path = IMG) -> str:
         *(hybrid_section(load("hybrid")) if have("hybrid") else []),
         *checkpoint_section(),
         *wires_section(),
+        *diloco_doc.section(img),
         "## Component benchmarks",
         "",
         "Each part on its own (collectives, DataParallel, the ring, ZeRO stages, resident memory, the main "
@@ -680,6 +682,7 @@ def readme_quotes() -> dict[str, str]:
                             f"{statistics.median(vs['zero3']):.2f}x zero3's step and "
                             f"{statistics.median(vs['native_fsdp']):.2f}x native_fsdp's (medians of the rounds' "
                             "ratios)")
+    quotes.update(diloco_doc.quotes())
     return quotes
 
 

@@ -26,7 +26,8 @@ def strategy_options(name: str, compare_cfg):
     options = OmegaConf.merge(options, variant_options(name, variants))
     if compare_cfg.bucket_cap_mb is not None and "bucket_cap_mb" in options:
         options.bucket_cap_mb = float(compare_cfg.bucket_cap_mb)
-    if compare_cfg.get("shard_size") is not None and "shard_size" in options:
+    # (DiLoCo with inner=null: every rank is a worker, there are no shard groups to size)
+    if compare_cfg.get("shard_size") is not None and "shard_size" in options and options.get("inner", "") is not None:
         options.shard_size = int(compare_cfg.shard_size)
     return OmegaConf.merge(options, compare_cfg.overrides.get(name, {}))
 

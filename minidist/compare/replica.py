@@ -28,6 +28,7 @@ class ReplicaStep:
     grad_norm: float            # the global gradient norm before clipping
     seconds: float              # this rank's wall time of the step (synchronised on CUDA)
     blocked_s: float | None     # seconds blocked on communication (minidist.comm's tracer); None if it cannot see it
+    sent_bytes: dict            # per op, the ring-model bytes this rank sent (the tracer's; {} if it cannot see it)
 
 
 class Replica:
@@ -48,4 +49,6 @@ class Replica:
                 torch.cuda.synchronize(self.ctx.device)
             seconds = time.perf_counter() - start
         self.rng = torch.get_rng_state()
-        return ReplicaStep(loss.float(), float(norm), seconds, tracer.blocked_s if self.strategy.traces_comm else None)
+        traced = self.strategy.traces_comm
+        return ReplicaStep(loss.float(), float(norm), seconds, tracer.blocked_s if traced else None,
+                           {op: row["sent_bytes"] for op, row in tracer.summary().items()} if traced else {})

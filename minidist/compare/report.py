@@ -75,16 +75,23 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         per = results["per_step"][name]
         ranks = results["timelines"][name]
         memory = results["memory"][name]
+        s, opts = spec(base_of(name, variants)), options.get(name, {})
         measured = {}
-        for op in OPS:  # the busiest rank's bytes (ZeRO shards may be uneven)
+        for op in OPS:  # the busiest rank's bytes in the profiled step (ZeRO shards may be uneven)
             sent = [t["bytes"].get(op, {}).get("sent_bytes", 0.0) for t in ranks.values()]
             if any(sent):
                 measured[op] = max(sent)
+        per_round = any(c.per_round for c in s.collectives)
+        if per_round and per.get("sent_bytes"):  # once every H steps: rank 0's mean over the timed steps
+            timed = per["sent_bytes"]
+            measured = {op: sum(step.get(op, 0.0) for step in timed) / len(timed) for op in OPS
+                        if any(step.get(op) for step in timed)}
         hidden = [t["hidden_fraction"] for t in ranks.values() if t["hidden_fraction"] is not None]
         state = max(memory, key=lambda m: m["model_state"].get("total", 0))["model_state"]
-        lossy = compressed(options.get(name, {}))
-        factors = wire_factors(options.get(name, {}))
-        theory = theoretical_bytes(base_of(name, variants), psi, n, shard=results.get("shard_sizes", {}).get(name))
+        lossy = compressed(opts) or s.checked_by == "loss"  # rounded wires, or another algorithm (DiLoCo)
+        factors = wire_factors(opts)
+        theory = theoretical_bytes(base_of(name, variants), psi, n, shard=results.get("shard_sizes", {}).get(name),
+                                   sync_every=int(opts.get("sync_every") or 1))
         rows[name] = {
             "strategy": name, "kind": kind(name, variants), "reference": reference_of(name, names, references, variants),
             "checked_by": "loss" if lossy else "parameters",
@@ -96,8 +103,12 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             "exposed_comm_s": max(t["exposed_comm_s"] for t in ranks.values()),
             "hidden_fraction": statistics.mean(hidden) if hidden else None,
             "model_state_bytes": state,
+            # DiLoCo's outer weights and momentum: 4 bytes each per parameter, over the worker's S ranks
+            "outer_state_theory": 4 * s.outer_copies * psi / (results.get("shard_sizes", {}).get(name) or 1)
+            if s.outer_copies else None,
             "peak_bytes": max(m["peak_bytes"] for m in memory),
             "bytes_per_step": measured,
+            "bytes_averaged_over_steps": len(per["sent_bytes"]) if per_round and per.get("sent_bytes") else None,
             "theory_bytes_per_step": {op: b * factors[op] for op, b in theory.items()},
         }
     for name, row in rows.items():
@@ -208,8 +219,12 @@ def bytes_table(rows: dict) -> str:
 
 def memory_table(rows: dict) -> str:
     cats = ("parameters", "gradients", "optimizer_state", "comm_buffers")
-    headers = ["strategy", *(f"{c} MiB" for c in cats), "total MiB", "peak MiB"]
+    outer = any(r.get("outer_state_theory") for r in rows.values())  # DiLoCo's, beside its formula
+    headers = ["strategy", *(f"{c} MiB" for c in cats), *(["outer_state MiB (theory)"] if outer else []),
+               "total MiB", "peak MiB"]
     body = [[r["strategy"], *(_mib(r["model_state_bytes"].get(c, 0)) for c in cats),
+             *([f"{_mib(r['model_state_bytes'].get('outer_state', 0))} ({_mib(r['outer_state_theory'])})"
+                if r.get("outer_state_theory") else "-"] if outer else []),
              _mib(r["model_state_bytes"].get("total")), _mib(r["peak_bytes"])] for r in rows.values()]
     return markdown_table(headers, body)
 
@@ -261,8 +276,12 @@ def report_markdown(results: dict, rows: dict, environment: dict, command: str) 
         "",
         "- *final param diff*: the largest |difference| of any parameter or buffer after the last step, "
         f"against the reference; *check*: ours within the tolerance {float(rows and next(iter(rows.values()))['tolerance']):g}; a run "
-        "with a compressed wire (grad_wire / param_wire, marked *(loss x%)*) is checked by its final loss instead, "
-        "relative to its reference's, within compare.loss_tolerance: its parameters are not expected equal.",
+        "with a compressed wire (grad_wire / param_wire), or of another algorithm (DiLoCo's strategies), marked "
+        "*(loss x%)*, is checked by its final loss instead, relative to its reference's, within "
+        "compare.loss_tolerance: its parameters are not expected equal.",
+        *(["- DiLoCo's communication per step is the mean over the timed steps (it sends once every "
+           "strategy.sync_every steps); its theory is averaged over the round."]
+          if any(r.get("bytes_averaged_over_steps") for r in rows.values()) else []),
         "- *step ms*: median (min-max) of the slowest rank's step time; */ ref [95%]*: median of the step-by-step "
         "ratios to the reference (interleaved pairs) and its 95% bootstrap interval.",
         "- *exposed comm*, *hidden*: from one profiled step — communication time (the backend's collectives "

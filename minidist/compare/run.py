@@ -98,7 +98,7 @@ def _compare(cfg, ctx) -> dict | None:
                     f"{cfg.data.name}, {ctx.world_size} rank(s), {ctx.backend}; {warmup} warm-up + {steps} timed "
                     f"steps, interleaved; global batch {int(t.micro_batch_size) * grad_accum * ctx.world_size}")
 
-    per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": []} for n in names}
+    per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": [], "sent_bytes": []} for n in names}
     started = time.perf_counter()
     for step in range(warmup + steps):
         micro = data.micro_batches(batches, grad_accum, ctx.device)
@@ -110,6 +110,7 @@ def _compare(cfg, ctx) -> dict | None:
             row["grad_norm"].append(m.grad_norm)
             if step >= warmup:
                 row["step_s"].append(slowest(m.seconds))
+                row["sent_bytes"].append(m.sent_bytes)
                 if m.blocked_s is not None:
                     row["blocked_s"].append(comm.max_over_ranks(m.blocked_s))
         if ctx.rank == 0 and (step + 1) % max(1, (warmup + steps) // 5) == 0:

@@ -84,6 +84,7 @@ class Fragment:
     handle: object = None
     apply_at: int | None = None
     synced_at: int = 0                        # the last step its outer update was applied
+    taken_at: int = 0                         # the step of the weights its last pseudo-gradient was taken from
 
     def flat(self) -> torch.Tensor:
         """The fragment's current weights, flat, fp32, padded to `padded`."""
@@ -136,7 +137,6 @@ class DiLoCo:
         """Count the step; start the all_reduce of every fragment due `sync_delay` steps from now,
         and apply every outer update due now (all of them at the last step)."""
         self.step += 1
-        last = self.total_steps is not None and self.step >= self.total_steps
         for f in self.fragments:
             due = self.step + self.sync_delay
             if f.handle is None and due % self.sync_every == f.phase and \
@@ -144,22 +144,24 @@ class DiLoCo:
                 self._launch(f, due)
         for f in self.fragments:
             if f.apply_at == self.step:
-                self._apply(f, mixing=0.0 if last else self.mixing)
-        if last:
+                self._apply(f, self.mixing)
+        if self.total_steps is not None and self.step >= self.total_steps:
             self.finish()
 
     def finish(self) -> None:
-        """End the round now: every fragment's outer update, in flight or not yet started, applied
-        with no mixing, so every worker holds the same weights."""
+        """End the round now: an update in flight lands as scheduled, then every fragment whose last
+        pseudo-gradient is older than this step (the steps behind a sync_delay included) is synced
+        at once, with no mixing: every worker ends with the same weights, all steps counted."""
         for f in self.fragments:
-            if f.handle is None and f.synced_at != self.step:
-                self._launch(f, self.step)
             if f.handle is not None:
-                self._apply(f, mixing=0.0)
+                self._apply(f, self.mixing)
+            if f.taken_at != self.step:
+                self._launch(f, self.step)
+                self._apply(f, 0.0)
 
     def _launch(self, f: Fragment, apply_at: int) -> None:
         f.delta = f.start.detach() - f.flat()[f.lo:f.hi]  # the round's pseudo-gradient, this rank's slice
-        f.apply_at = apply_at
+        f.apply_at, f.taken_at = apply_at, self.step
         f.handle = comm.all_reduce(f.delta, group=self.across_group, async_op=True, wire_dtype=self.wire) \
             if self.workers > 1 else None
         if f.handle is None:
@@ -216,6 +218,7 @@ class DiLoCo:
                 pending = {"apply_at": f.apply_at, "delta": self._gathered(f, f.delta)}
             buf = f.outer.state.get(f.start, {}).get("momentum_buffer")
             frags.append({"start": self._gathered(f, f.start), "pending": pending, "synced_at": f.synced_at,
+                          "taken_at": f.taken_at,
                           "momentum": None if buf is None else self._gathered(f, buf)})
         return {"step": self.step, "fragments": frags}
 
@@ -234,7 +237,7 @@ class DiLoCo:
             f.outer.state.clear()
             if saved["momentum"] is not None:
                 f.outer.state[f.start] = {"momentum_buffer": self._slice(f, saved["momentum"])}
-            f.synced_at = int(saved["synced_at"])
+            f.synced_at, f.taken_at = int(saved["synced_at"]), int(saved["taken_at"])
             pending = saved["pending"]
             f.delta, f.apply_at = (self._slice(f, pending["delta"]), int(pending["apply_at"])) if pending \
                 else (None, None)
@@ -248,7 +251,7 @@ class DiLoCo:
             with torch.no_grad():
                 f.start.copy_(f.flat()[f.lo:f.hi])
             f.outer.state.clear()
-            f.delta, f.handle, f.apply_at, f.synced_at = None, None, None, step
+            f.delta, f.handle, f.apply_at, f.synced_at, f.taken_at = None, None, None, step, step
 
     def memory_tensors(self) -> list[torch.Tensor]:
         """What the outer loop adds on this rank: the outer weights' slices, their momentum and the

@@ -131,6 +131,10 @@ class Trainer:
         if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
         self.skipped_steps = 0
+        # This run's traced bytes by op, all steps together: per step on average is what a strategy
+        # that communicates every H steps sends (DiLoCo), where the last log window's may not be.
+        self.sent_by_op: dict[str, float] = {}
+        self.traced_steps = 0
         self.peak_tflops = peak_tflops(t.peak_tflops, ctx.device, t.precision)  # for MFU
         if self.peak_tflops is None:
             self.log.info(f"no MFU: {torch.cuda.get_device_name(ctx.device)} is not in peak_flops.KNOWN_GPUS; "
@@ -339,6 +343,10 @@ class Trainer:
                 with self._collectives_named([], self.step):
                     self._committed(self.checkpoints.poll())
             history.append(m)
+            if m.comm is not None:
+                self.traced_steps += 1
+                for op, row in m.comm.summary().items():
+                    self.sent_by_op[op] = self.sent_by_op.get(op, 0.0) + row["sent_bytes"]
             unchecked.append((self.step, m.grad_norm))
             log_now = self.step % t.log_every == 0 or self.step == end
             eval_now = t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end)
@@ -372,6 +380,10 @@ class Trainer:
         summary["state_digest"] = state_digest(self.net)
         if self.host_traffic.multi_host:
             summary.update(self._cross_host_traffic())
+        if self.traced_steps:  # this rank's, over the steps this process ran
+            summary["comm/mean_bytes_per_step"] = sum(self.sent_by_op.values()) / self.traced_steps
+            summary.update({f"comm/mean_{op}_bytes_per_step": b / self.traced_steps
+                            for op, b in self.sent_by_op.items() if b})
         summary["time/clock"] = clock_name(self.ctx.device)
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)

@@ -7,6 +7,7 @@
 #   netns_torchrun 1 "$name" NPROC script.py args...   # host 1's share of a c10d-rendezvous job
 #   netns_lose_host 2; netns_add_host 2                  # a host gone, and back
 #   netns_shape 200mbit          # links between hosts at 200 Mbit/s (tc)
+#   netns_shape 50mbit 5ms       # ... at 50 Mbit/s, each packet 5 ms later (netem)
 #
 # Host i is namespace ${PREFIX}h$i with address $SUBNET.$i on its eth0; the rendezvous is at host 1.
 SUBNET=${SUBNET:-10.77.0}
@@ -49,10 +50,18 @@ netns_cleanup() {
 # large enough never to drop), so hosts are linked far more slowly than the ranks inside one.
 # TCP would restart slow start after every idle gap between two ring steps (a cluster's RDMA
 # links do not): each connection keeps its window, so the link runs at RATE.
+# A second argument delays every packet leaving a host by that much (netem, before the tbf), so a
+# round trip between two hosts takes twice it.
 netns_shape() {
-    local i
+    local i parent=root
     for i in $(seq 1 "$HOSTS"); do
-        ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root tbf rate "$1" burst 64kb limit 32mb \
+        if [ -n "${2:-}" ]; then
+            ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 root handle 1: netem delay "$2" limit 100000 \
+                || die "cannot delay eth0 with tc's netem qdisc"
+            parent="parent 1:"
+        fi
+        # shellcheck disable=SC2086  # "parent 1:" is two words
+        ip netns exec "${PREFIX}h$i" tc qdisc add dev eth0 $parent handle 2: tbf rate "$1" burst 64kb limit 32mb \
             || die "cannot shape eth0 with tc's tbf qdisc"
         ip netns exec "${PREFIX}h$i" sysctl -qw net.ipv4.tcp_slow_start_after_idle=0
     done

@@ -52,11 +52,14 @@ class DiLoCoStrategy(Strategy):
             net, process_group=self.mesh.shard_group, bucket_cap_mb=float(c.bucket_cap_mb),
             grad_wire=c.grad_wire, quant_block=int(c.quant_block))
         optimizer = optim_cls(net.parameters(), **optim_kwargs)
-        self.outer = DiLoCo(net.parameters(), sync_every=int(c.sync_every), outer_lr=float(c.outer_lr),
-                            outer_momentum=float(c.outer_momentum), fragments=int(c.get("fragments", 1)),
-                            sync_delay=int(c.get("sync_delay", 0)), mixing=float(c.get("mixing", 0.0)),
-                            wire=self._outer_wire(), worker_group=worker, across_group=self.mesh.replicate_group,
-                            total_steps=self.total_steps)
+        try:
+            self.outer = DiLoCo(net.parameters(), sync_every=c.sync_every, outer_lr=float(c.outer_lr),
+                                outer_momentum=float(c.outer_momentum), fragments=c.get("fragments", 1),
+                                sync_delay=c.get("sync_delay", 0), mixing=float(c.get("mixing", 0.0)),
+                                wire=self._outer_wire(), worker_group=worker, across_group=self.mesh.replicate_group,
+                                total_steps=self.total_steps)
+        except ValueError as e:  # the schedule's checks name the option: say it is the strategy's
+            raise ConfigError(f"strategy.{e}") from None
         return model, optimizer
 
     def _outer_wire(self):
