@@ -241,13 +241,16 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
 
 
 def diloco_crossover(params: float, hosts: int, c: Cluster, compute_s: float, *, sync_every: int,
-                     token_factor: float = 1.0, strategy: str = "diloco", reference: str = "ddp",
-                     **priced) -> float:
-    """The link speed between hosts (c.inter_bw, bytes/s a host) below which `strategy` at H =
-    `sync_every` reaches `reference`'s loss sooner: where token_factor x (compute_s + its
-    communication) < compute_s + the reference's, communication not overlapped. token_factor:
+                     token_factor: float = 1.0, strategy: str | None = None, **priced) -> float:
+    """The link speed between hosts (c.inter_bw, bytes/s a host) below which `strategy` (default:
+    the first of local_sgd_strategies) at H = `sync_every` reaches its spec's reference's loss
+    sooner: where token_factor x (compute_s + its communication) < compute_s + the reference's,
+    communication not overlapped. token_factor:
     the tokens it needs for the reference's loss over the reference's (measured: 1 or less, it
     wins on any link). `priced`: step_comm_time's other options (comm_bytes, units, shard, ...)."""
+    strategy = strategy or local_sgd_strategies()[0]
+    reference = spec(strategy).reference
+
     def advantage(bw: float) -> float:
         at = replace(c, inter_bw=bw)
         ours = step_comm_time(strategy, params, hosts, at, sync_every=sync_every, **priced)["total"]
@@ -318,6 +321,40 @@ def table_markdown(algorithm: str = "ring") -> str:
                          for s in priced]
                 lines.append(f"| {n:,} | " + " | ".join(cells) + f" | **{pick or '-'}** |")
             lines.append("")
+    return "\n".join(lines)
+
+
+DILOCO_H = (8, 32, 128)
+DILOCO_RANKS = (64, 1024)
+
+
+def diloco_table_markdown(algorithm: str = "ring") -> str:
+    """Communication per step of DiLoCo at H in DILOCO_H (DDP within each host, the outer all_reduce
+    across hosts), beside its reference (ddp) and the synchronous pick: what rounds of H steps buy
+    on paper. ✗: the model state
+    does not fit half of the device (DiLoCo's: ddp's plus 8 bytes a parameter over the host).
+    Streaming DiLoCo moves the same bytes a round, a fragment at a time."""
+    lines = []
+    for name in local_sgd_strategies()[:1]:
+        reference = spec(name).reference
+        heads = [reference, "synchronous pick", *(f"{name} H={h}" for h in DILOCO_H)]
+        lines += [f"### {name}", "", "| cluster | model | ranks | " + " | ".join(heads) + " |",
+                  "|---" * (len(heads) + 3) + "|"]
+        for cname, c in CLUSTERS.items():
+            for mname, (params, units) in MODELS.items():
+                for n in DILOCO_RANKS:
+                    hosts = n // c.per_host
+                    pick, sync = recommend(params, units, hosts, c, algorithm)
+                    fits = state_bytes_per_rank(name, params, hosts, c.per_host) <= 0.5 * c.device_bytes
+
+                    def cell(t: float, ok: bool) -> str:
+                        return f"{t * 1e3:,.0f}" + ("" if ok else " ✗")
+                    cells = [cell(sync[reference]["total"], sync[reference]["fits"]),
+                             f"{pick} {sync[pick]['total'] * 1e3:,.0f}" if pick else "-"]
+                    cells += [cell(step_comm_time(name, params, hosts, c, algorithm=algorithm, units=units,
+                                                  sync_every=h)["total"], fits) for h in DILOCO_H]
+                    lines.append(f"| {cname} | {mname} | {n:,} | " + " | ".join(cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DiLoCo against ddp and hsdp3 where the link between hosts is slow: HOSTS emulated hosts (network
-# namespaces, scripts/lib/netns.sh) whose links are shaped by tc to each rate of RATES with DELAY
-# more on every packet, NPROC_PER_HOST ranks each, training gpt_nano for STEPS steps (the same
+# namespaces, scripts/lib/netns.sh) whose links are shaped by tc to each rate of RATES (and, where
+# the kernel has tc's netem, DELAY more on every packet), NPROC_PER_HOST ranks each, training gpt_nano for STEPS steps (the same
 # tokens for all) with
 #
 #   ddp          strategy=ddp: one flat all_reduce over every rank, every step
@@ -15,22 +15,23 @@
 # variant the (step, training seconds, validation loss) curve, tokens per second and bytes out of
 # each host per step. scripts/make_benchmarks.py renders it (docs/benchmarks.md, docs/img/).
 #
-#   sudo scripts/diloco_local.sh                           # 2 hosts x 2 ranks, 50 and 200 Mbit/s, 5 ms
-#   sudo RATES="100mbit" SYNC_EVERY="8 32" scripts/diloco_local.sh
+#   sudo scripts/diloco_local.sh                           # 2 hosts x 2 ranks, 50 and 200 Mbit/s
+#   sudo RATES="100mbit" DELAY=5ms SYNC_EVERY="8 32" scripts/diloco_local.sh
 #
-# Environment: HOSTS (2), NPROC_PER_HOST (2), RATES ("50mbit 200mbit"), DELAY (5ms), STEPS (200),
-# EVAL_EVERY (20), SYNC_EVERY ("8 16"), OUT (a new temp folder), PREFIX (dl), PYTHON. Needs root;
-# without it, exit 3. (A stuck run fails on its own: every collective has launcher.timeout_s.)
+# Environment: HOSTS (2), NPROC_PER_HOST (2), RATES ("50mbit 200mbit"), DELAY (none), STEPS (200),
+# EVAL_EVERY (20), SYNC_EVERY ("8 16"), OUT (a new temp folder), PREFIX (dl), TIMEOUT_S per run
+# (1500), PYTHON. Needs root; without it, exit 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${HOSTS:-2}
 NPROC_PER_HOST=${NPROC_PER_HOST:-2}
 RATES=${RATES:-"50mbit 200mbit"}
-DELAY=${DELAY:-5ms}
+DELAY=${DELAY:-}
 STEPS=${STEPS:-200}
 EVAL_EVERY=${EVAL_EVERY:-20}
 SYNC_EVERY=${SYNC_EVERY:-"8 16"}
 PREFIX=${PREFIX:-dl}
+TIMEOUT_S=${TIMEOUT_S:-1500}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-diloco.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ "$(id -u)" != 0 ]; then
@@ -52,7 +53,7 @@ k=0
 for rate in $RATES; do
     netns_start "$0"
     netns_shape "$rate" "$DELAY"
-    echo "diloco_local: $HOSTS hosts x $NPROC_PER_HOST ranks, links between hosts at $rate + $DELAY; runs in $OUT"
+    echo "diloco_local: $HOSTS hosts x $NPROC_PER_HOST ranks, links between hosts at $rate${DELAY:+ + $DELAY}; runs in $OUT"
     for v in "${VARIANTS[@]}"; do
         dir="$OUT/$rate/$v"
         pids=()
@@ -70,4 +71,4 @@ for rate in $RATES; do
     done
     netns_cleanup
 done
-"$PYTHON" scripts/lib/diloco_curves.py "$OUT" "$STEPS" "$DELAY" "$HOSTS" "$NPROC_PER_HOST" $RATES -- "${VARIANTS[@]}"
+"$PYTHON" scripts/lib/diloco_curves.py "$OUT" "$STEPS" "${DELAY:-none}" "$HOSTS" "$NPROC_PER_HOST" $RATES -- "${VARIANTS[@]}"

@@ -232,6 +232,20 @@ def render(img: Path = IMG) -> str:
         "![cost model, tree](img/scale_tree.png)",
         "",
         costmodel.table_markdown("tree"),
+        "## DiLoCo: synchronising every H steps",
+        "",
+        "`strategy=diloco` is another algorithm (workers train apart, an outer optimizer averages their "
+        "progress every H steps), so the tables above leave it out: it does not compute the same step. Priced "
+        "as it runs with `strategy.inner=ddp`, DDP within each host every step and the outer all_reduce of "
+        "each rank's 1/G across hosts (then an all_gather in the host) once per round, in ms of communication "
+        "per step, ring all_reduce, bf16:",
+        "",
+        costmodel.diloco_table_markdown("ring"),
+        "What it is worth in time to a loss depends on the compute per step and on how many more tokens "
+        "DiLoCo needs to reach a loss: `minidist.costmodel.diloco_crossover` takes both and gives the link speed "
+        "between hosts below which it wins. `docs/benchmarks.md` (\"Across slow links\") measures both on "
+        "emulated hosts and says where that is for them.",
+        "",
         "## What the trainer should pick",
         "",
         "The picks of the tables above, by size (ranks):",

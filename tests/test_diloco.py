@@ -157,6 +157,7 @@ def test_bytes_and_outer_state_are_the_specs_measured(ranks, tmp_path):
             pytest.approx(2 * 4 * n_params / 2)
 
 
+@pytest.mark.slow(stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured")
 def test_quality_at_a_shortened_length(ranks, tmp_path):
     """Tiny GPT, 2 workers, 80 steps: diloco at H = 8 within 3% of ddp's validation loss at the
     same tokens, sending at most 1/8 of ddp's bytes a step."""
@@ -168,6 +169,7 @@ def test_quality_at_a_shortened_length(ranks, tmp_path):
     assert diloco["comm/mean_bytes_per_step"] <= ddp["comm/mean_bytes_per_step"] / 8
 
 
+@pytest.mark.slow(stand_in="test_train_strategies.py::test_resume_is_exact_and_consolidates[diloco]")
 def test_checkpoints_move_between_diloco_and_ddp_and_another_number_of_workers(ranks, tmp_path):
     """A diloco checkpoint mid-round resumes as ddp from its outer (synchronised) weights; a ddp
     checkpoint resumes as diloco (a new round from its weights); diloco at 2 workers resumes at 1."""
@@ -191,3 +193,22 @@ def test_checkpoints_move_between_diloco_and_ddp_and_another_number_of_workers(r
     one = ranks(1).run(states_on_rank, tiny("strategy.sync_every=8", strategy="diloco"), str(tmp_path / "one"),
                        str(ckpt), timeout_s=240)[0]
     assert one["summary"]["step"] == 20
+
+
+def test_streaming_resumes_exactly_from_a_save_with_an_all_reduce_in_flight(ranks, tmp_path):
+    """H = 8, 4 fragments, tau = 1: at step 9 fragment 0's all_reduce (for step 10) is in flight.
+    The save waits for it and keeps its average; 9 + 11 resumed steps equal 20 straight, bitwise,
+    on every rank."""
+    pool = ranks(2)
+    opts = ("strategy.sync_every=8", "strategy.fragments=4", "strategy.sync_delay=1", "strategy.mixing=0.5")
+    straight = run(pool, tmp_path, "straight", *opts, strategy="diloco_streaming")
+    run(pool, tmp_path, "split", *opts, "trainer.stop_at=9", strategy="diloco_streaming")
+    ckpt = list_checkpoints(tmp_path / "split")[0]
+    from minidist.train.safe_load import load_tensors
+
+    pending = [f["pending"] for f in load_tensors(ckpt / "outer.pt")["fragments"]]
+    assert pending[0] is not None and pending[0]["apply_at"] == 10 and pending[1:] == [None] * 3
+    resumed = pool.run(states_on_rank, tiny(*opts, strategy="diloco_streaming"), str(tmp_path / "split"), str(ckpt),
+                       timeout_s=240)
+    for rank in range(2):
+        assert worst_relative(resumed[rank]["state"], straight[rank]["state"]) == 0.0, rank

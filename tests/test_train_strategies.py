@@ -18,7 +18,7 @@ from train_cases import CONFIGS, assert_same, load_everything, mesh_options, tin
 # The native and DeepSpeed strategies' resume runs in `make test-all`; `make test` keeps ours, but
 # ddp_hierarchical, whose checkpoint is ddp's (test_hierarchical_all_reduce_in_the_trainer_trains_like_ddp
 # runs it in the trainer), zero1, whose flat shards are zero2's, and hsdp2, whose mesh is hsdp3's.
-SLOW_RESUME = {"ddp_hierarchical", "zero1", "hsdp2"}
+SLOW_RESUME = {"ddp_hierarchical", "zero1", "hsdp2", "diloco_streaming"}  # and diloco_streaming, whose layout is diloco's
 SLOW_RESUME_MARK = pytest.mark.slow(stand_in="test_resume_is_exact_and_consolidates[ddp]")
 
 

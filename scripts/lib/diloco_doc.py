@@ -34,7 +34,7 @@ def table(headers: list[str], body: list[list[str]]) -> list[str]:
 
 def quality_figures(r: dict) -> dict:
     """H = 8's validation loss over ddp's (relative difference) and bytes per step over ddp's."""
-    ddp = next(x for x in r["runs"] if x["variant"] == "ddp")
+    ddp = r["runs"][0]  # scripts/measure_diloco.py runs the reference first
     h8 = next(x for x in r["runs"] if x["variant"] == "diloco H=8")
     return {"loss": (h8["val_loss"] - ddp["val_loss"]) / ddp["val_loss"], "bytes": h8["bytes_per_step"] / ddp["bytes_per_step"]}
 
@@ -44,13 +44,14 @@ def quality_lines() -> list[str]:
         return []
     d = load_record(QUALITY)
     r, p = d["results"], d["provenance"]
-    ddp = next(x for x in r["runs"] if x["variant"] == "ddp")
+    ddp = r["runs"][0]  # the reference, run first
     body = [[x["variant"], mib(x["bytes_per_step"]), mib(r["theory_bytes_per_step"][x["variant"]]),
              f"{x['bytes_per_step'] / ddp['bytes_per_step']:.3f}x", f"{x['val_loss']:.4f}",
              "-" if x is ddp else f"{(x['val_loss'] - ddp['val_loss']) / ddp['val_loss']:+.2%}",
              mib(x["model_state_bytes"])] for x in r["runs"]]
     f = quality_figures(r)
     met = f["loss"] <= LOSS_BOUND and f["bytes"] <= BYTES_BOUND
+    partial = sorted({x["sync_every"] for x in r["runs"] if r["steps"] % x["sync_every"]})
     return [
         f"`{p['command']}` (commit {p['commit'][:12]}, {p['date']}): `make train`'s job ({r['model']} on stdlib_text, "
         f"AdamW, 2 ranks, each rank a DiLoCo worker) for {r['steps']} steps, the same tokens for every variant; "
@@ -59,6 +60,8 @@ def quality_lines() -> list[str]:
         "",
         *table(["variant", "bytes per step", "theory", "vs ddp", "validation loss", "vs ddp", "model state"], body),
         "",
+        *([f"At H = {', '.join(map(str, partial))} the run's {r['steps']} steps end in a partial round, which the "
+           "last step syncs too: one outer all_reduce more than the theory's whole rounds.", ""] if partial else []),
         f"H = 8 ends {f['loss']:+.2%} from ddp's validation loss with {f['bytes']:.3f}x its bytes per step: the "
         f"bound (within {LOSS_BOUND:.0%}, at most 1/8 of the bytes) is {'met' if met else 'NOT met'}. "
         "The outer optimizer is the configs' default (strategy.outer_lr, strategy.outer_momentum).",
@@ -79,6 +82,10 @@ def reach_time(curve: list[dict], target: float) -> float | None:
     return None
 
 
+def delay_words(r: dict) -> str:
+    return "" if r["delay"] == "none" else f" + {r['delay']}"
+
+
 def rate_mbit(rate: str) -> float:
     return float(rate.removesuffix("mbit"))
 
@@ -88,10 +95,10 @@ def shaped_figures(r: dict) -> dict[str, dict[str, float | None]]:
     loss over ddp's whole training time (None: not reached)."""
     out = {}
     for rate, variants in r["rates"].items():
-        ddp = variants["ddp"]
+        ddp = variants[r["reference"]]
         target, total = ddp["curve"][-1]["val_loss"], ddp["curve"][-1]["train_s"]
         out[rate] = {v: (None if (t := reach_time(x["curve"], target)) is None else t / total)
-                     for v, x in variants.items() if v.startswith("diloco")}
+                     for v, x in variants.items() if x.get("sync_every")}
     return out
 
 
@@ -106,7 +113,7 @@ def shaped_plot(r: dict, path: Path) -> None:
         for v, x in r["rates"][rate].items():
             ax.plot([p["train_s"] for p in x["curve"]], [p["val_loss"] for p in x["curve"]], marker="o",
                     markersize=3, label=v)
-        ax.set(title=f"{r['hosts']} hosts x {r['per_host']} ranks, {rate} + {r['delay']}", xlabel="training time (s)",
+        ax.set(title=f"{r['hosts']} hosts x {r['per_host']} ranks, {rate}" + delay_words(r), xlabel="training time (s)",
                ylabel="validation loss")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -125,8 +132,10 @@ def shaped_lines(img: Path) -> list[str]:
     figures = shaped_figures(r)
     lines = [
         f"`{p['command']}` (commit {p['commit'][:12]}, {p['date']}): {r['hosts']} emulated hosts (network namespaces) "
-        f"x {r['per_host']} ranks, the links between hosts shaped by tc to each rate with {r['delay']} more on every "
-        f"packet; gpt_nano for {r['steps']} steps each (the same tokens). diloco runs DDP within the host "
+        f"x {r['per_host']} ranks, the links between hosts shaped by tc's tbf to each rate"
+        + (f", with {r['delay']} more on every packet (netem)" if r["delay"] != "none" else
+           " (no delay added: this kernel has no netem; the latency is the network stack's own)")
+        + f"; gpt_nano for {r['steps']} steps each (the same tokens). diloco runs DDP within the host "
         "(strategy.inner=ddp) and its outer all_reduce across hosts every H steps. Training time is the sum of "
         "the logged step times up to each evaluation (start-up and evaluation left out, alike for all).",
         "",
@@ -165,22 +174,23 @@ def crossover_lines(r: dict) -> list[str]:
     psi = load_record(QUALITY)["results"]["runs"][0]["parameters"]
     fastest = max(r["rates"], key=rate_mbit)
     runs = r["rates"][fastest]
-    # compute per step: ddp's measured step at the fastest rate less the model's communication there
+    # compute per step: the reference's measured step at the fastest rate less the model's communication there
     at = dataclasses.replace(c, inter_bw=rate_mbit(fastest) * 1e6 / 8)
-    ddp_step = runs["ddp"]["curve"][-1]["train_s"] / r["steps"]
-    compute = max(0.0, ddp_step - costmodel.step_comm_time("ddp", psi, r["hosts"], at, comm_bytes=4)["total"])
+    ref = runs[r["reference"]]
+    ref_step = ref["curve"][-1]["train_s"] / r["steps"]
+    compute = max(0.0, ref_step - costmodel.step_comm_time(ref["strategy"], psi, r["hosts"], at, comm_bytes=4)["total"])
     lines = []
-    for v in runs:
-        if not v.startswith("diloco_h"):
+    for v, x in runs.items():
+        if not x.get("sync_every"):
             continue
-        h = int(v.removeprefix("diloco_h"))
-        bw = costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=h, comm_bytes=4)
+        bw = costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=x["sync_every"],
+                                        strategy=x["strategy"], comm_bytes=4)
         where = "on any link" if math.isinf(bw) else f"below {bw * 8 / 1e6:,.0f} Mbit/s between hosts"
-        lines.append(f"- {v}: faster per step than ddp {where} (cost model, {compute * 1e3:.0f} ms of compute a step, "
+        lines.append(f"- {v}: faster per step than {r['reference']} {where} (cost model, {compute * 1e3:.0f} ms of compute a step, "
                      "the same tokens to the same loss).")
     return ["The cost model (`minidist.costmodel.diloco_crossover`), on the links docs/scale.md calibrated at "
-            "200 Mbit/s with the measured compute per step (ddp's step at the fastest rate less its modelled "
-            "communication):", "", *lines, ""] if lines else []
+            f"200 Mbit/s with the measured compute per step ({r['reference']}'s step at the fastest rate less its "
+            "modelled communication):", "", *lines, ""] if lines else []
 
 
 def section(img: Path) -> list[str]:

@@ -39,6 +39,9 @@ class Strategy:
     # (everything else is counted at the world size). Only strategies the tracer cannot see need it.
     op_group_sizes: dict[str, int] = {}
     total_steps: int | None = None  # the run's last step (build_training_state sets it before wrap)
+    # fp16: the ranks agree on an overflow (agree_on_overflow), so every replica skips alike. DiLoCo's
+    # workers have their own gradients, and so their own loss scales: they do not.
+    agrees_on_overflow = True
 
     def __init__(self, cfg, ctx, compute_dtype: torch.dtype | None = None):
         self.cfg, self.ctx = cfg, ctx
@@ -93,7 +96,7 @@ class Strategy:
         every rank sees the same) skips the update: the parameters and optimizer state stay as
         they were. (With fp16 the gradient scaler does this itself, and lowers its scale.)"""
         scaler.unscale_(self.optimizer)
-        if scaler.is_enabled():
+        if scaler.is_enabled() and self.agrees_on_overflow:
             agree_on_overflow(scaler, self.optimizer, self.ctx.device)
         norm = self.clip_grad_norm_(max_norm)
         if scaler.is_enabled():

@@ -22,7 +22,7 @@ import contextlib
 
 from minidist.train.errors import ConfigError
 from minidist.memory import measure
-from minidist.train.strategies.base import Strategy, build_mesh, step_unless_nonfinite
+from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.ours import WIRES
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import Collective, StrategySpec
@@ -90,18 +90,14 @@ class DiLoCoStrategy(Strategy):
     def no_sync(self):
         return contextlib.nullcontext() if self.cfg.inner is None else self.model.no_sync()
 
+    # Each worker keeps its own loss scale: its gradients are its own, so no agreement across
+    # workers (within one, DDP made the gradients equal already).
+    agrees_on_overflow = False
+
     def optimizer_step(self, max_norm: float, scaler):
         """The inner step (unscale, clip by the worker's gradient norm, step, zero_grad), then the
-        outer loop's turn. Each worker keeps its own loss scale: its gradients are its own, so no
-        agreement across workers (within one, DDP made the gradients equal already)."""
-        scaler.unscale_(self.optimizer)
-        norm = self.clip_grad_norm_(max_norm)
-        if scaler.is_enabled():
-            scaler.step(self.optimizer)
-            scaler.update()
-        else:
-            step_unless_nonfinite(self.optimizer, norm)
-        self.optimizer.zero_grad(set_to_none=True)
+        outer loop's turn."""
+        norm = super().optimizer_step(max_norm, scaler)
         self.outer.after_inner_step()
         return norm
 
