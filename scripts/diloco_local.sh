@@ -33,6 +33,7 @@ SYNC_EVERY=${SYNC_EVERY:-"8 16"}
 PREFIX=${PREFIX:-dl}
 TIMEOUT_S=${TIMEOUT_S:-1500}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-diloco.XXXXXX)}
+mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ "$(id -u)" != 0 ]; then
     echo "diloco_local: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
