@@ -69,15 +69,16 @@ def quality_lines() -> list[str]:
     ]
 
 
-def reach_time(curve: list[dict], target: float) -> float | None:
-    """Training seconds at which a curve first reaches `target` (linear between evaluations)."""
+def reach_time(curve: list[dict], target: float, key: str = "train_s") -> float | None:
+    """Training seconds (or, key="step", the step) at which a curve first reaches `target`
+    (linear between evaluations)."""
     prev = None
     for pt in curve:
         if pt["val_loss"] <= target:
             if prev is None:
-                return pt["train_s"]
+                return pt[key]
             share = (prev["val_loss"] - target) / (prev["val_loss"] - pt["val_loss"])
-            return prev["train_s"] + share * (pt["train_s"] - prev["train_s"])
+            return prev[key] + share * (pt[key] - prev[key])
         prev = pt
     return None
 
@@ -179,18 +180,25 @@ def crossover_lines(r: dict) -> list[str]:
     ref = runs[r["reference"]]
     ref_step = ref["curve"][-1]["train_s"] / r["steps"]
     compute = max(0.0, ref_step - costmodel.step_comm_time(ref["strategy"], psi, r["hosts"], at, comm_bytes=4)["total"])
+    def where(bw: float) -> str:
+        return "on any link" if math.isinf(bw) else f"below {bw * 8 / 1e6:,.0f} Mbit/s between hosts"
     lines = []
+    target = ref["curve"][-1]["val_loss"]
     for v, x in runs.items():
         if not x.get("sync_every"):
             continue
-        bw = costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=x["sync_every"],
-                                        strategy=x["strategy"], comm_bytes=4)
-        where = "on any link" if math.isinf(bw) else f"below {bw * 8 / 1e6:,.0f} Mbit/s between hosts"
-        lines.append(f"- {v}: faster per step than {r['reference']} {where} (cost model, {compute * 1e3:.0f} ms of compute a step, "
-                     "the same tokens to the same loss).")
+        same = costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=x["sync_every"],
+                                          strategy=x["strategy"], comm_bytes=4)
+        step = reach_time(x["curve"], target, key="step")  # its tokens to the reference's final loss
+        measured = "" if step is None else (
+            f"; with the tokens it took here to reach {r['reference']}'s final loss ({step / r['steps']:.2f}x "
+            f"{r['reference']}'s), it wins "
+            + where(costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=x["sync_every"],
+                                               strategy=x["strategy"], token_factor=step / r["steps"], comm_bytes=4)))
+        lines.append(f"- {v}: a step takes less time than {r['reference']}'s {where(same)}{measured}.")
     return ["The cost model (`minidist.costmodel.diloco_crossover`), on the links docs/scale.md calibrated at "
-            f"200 Mbit/s with the measured compute per step ({r['reference']}'s step at the fastest rate less its "
-            "modelled communication):", "", *lines, ""] if lines else []
+            f"200 Mbit/s, with {compute * 1e3:.0f} ms of compute a step ({r['reference']}'s measured step at "
+            f"{fastest} less its modelled communication), no overlap:", "", *lines, ""] if lines else []
 
 
 def section(img: Path) -> list[str]:
