@@ -100,7 +100,9 @@ class DiLoCo:
     Args:
         params: the parameters the inner optimizer updates (the same on the ranks of a worker).
         sync_every: H, the inner steps between a fragment's outer updates.
-        outer_lr, outer_momentum: the outer Nesterov SGD's (momentum 0: plain SGD).
+        outer_lr, outer_momentum: the outer Nesterov SGD's (momentum 0: plain SGD). The defaults
+            are the DiLoCo paper's, for rounds of hundreds of steps; configs/strategy/diloco.yaml
+            takes 0.5 / 0.5 for the short rounds it measured (docs/benchmarks.md).
         fragments, sync_delay, mixing: streaming DiLoCo (module doc); 1, 0, 0 is DiLoCo.
         wire: what the pseudo-gradients travel as (None: fp32; "bf16", "fp16", "int8", a Wire).
         worker_group, across_group: see the module doc (None with one rank).
