@@ -118,16 +118,24 @@ def test_split_evenly_keeps_order_and_balances():
         split_evenly(params, 6)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("strategy.sync_delay=2", "strategy.sync_delay=2: a fragment's all_reduce must land before"),
-    ("strategy.fragments=3", "strategy.sync_every=8 with fragments=3"),
-    ("strategy.mixing=2.0", "strategy.mixing=2.0 must be between 0"),
+@pytest.mark.parametrize("options, message", [
+    ({"sync_delay": 2}, "sync_delay=2: a fragment's all_reduce must land before"),
+    ({"fragments": 3}, "sync_every=8 with fragments=3"),
+    ({"mixing": 2.0}, "mixing=2.0 must be between 0"),
+    ({"sync_every": 0}, "sync_every=0 must be a whole number >= 1"),
 ])
-def test_bad_schedules_are_refused_before_training(ranks, tmp_path, override, message):
+def test_bad_schedules_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCo([torch.nn.Parameter(torch.zeros(4)) for _ in range(4)],
+               **{"sync_every": 8, "fragments": 4, "sync_delay": 1, **options})
+
+
+def test_the_trainer_names_the_strategy_option(ranks, tmp_path):
     from minidist.testing import RankFailure
 
-    with pytest.raises(RankFailure, match=message):
-        ranks(1).run(train_on_rank, tiny(override, strategy="diloco_streaming"), str(tmp_path / "run"), timeout_s=60)
+    with pytest.raises(RankFailure, match="strategy.sync_delay=2: a fragment's all_reduce must land before"):
+        ranks(1).run(train_on_rank, tiny("strategy.sync_delay=2", strategy="diloco_streaming"), str(tmp_path / "run"),
+                     timeout_s=60)
 
 
 def test_shard_size_needs_inner_ddp(ranks, tmp_path):
