@@ -245,9 +245,8 @@ def diloco_crossover(params: float, hosts: int, c: Cluster, compute_s: float, *,
     """The link speed between hosts (c.inter_bw, bytes/s a host) below which `strategy` (default:
     the first of local_sgd_strategies) at H = `sync_every` reaches its spec's reference's loss
     sooner: where token_factor x (compute_s + its communication) < compute_s + the reference's,
-    communication not overlapped. token_factor:
-    the tokens it needs for the reference's loss over the reference's (measured: 1 or less, it
-    wins on any link). `priced`: step_comm_time's other options (comm_bytes, units, shard, ...)."""
+    communication not overlapped. token_factor: the tokens it needs for the reference's loss over
+    the reference's (measured: 1 or less, it wins on any link). `priced`: step_comm_time's other options (comm_bytes, units, shard, ...)."""
     strategy = strategy or local_sgd_strategies()[0]
     reference = spec(strategy).reference
 
@@ -331,8 +330,7 @@ DILOCO_RANKS = (64, 1024)
 def diloco_table_markdown(algorithm: str = "ring") -> str:
     """Communication per step of DiLoCo at H in DILOCO_H (DDP within each host, the outer all_reduce
     across hosts), beside its reference (ddp) and the synchronous pick: what rounds of H steps buy
-    on paper. ✗: the model state
-    does not fit half of the device (DiLoCo's: ddp's plus 8 bytes a parameter over the host).
+    on paper. ✗: the model state does not fit half of the device (DiLoCo's: ddp's plus 8 bytes a parameter over the host).
     Streaming DiLoCo moves the same bytes a round, a fragment at a time."""
     lines = []
     for name in local_sgd_strategies()[:1]:

@@ -76,21 +76,21 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         ranks = results["timelines"][name]
         memory = results["memory"][name]
         s, opts = spec(base_of(name, variants)), options.get(name, {})
+        shard = results.get("shard_sizes", {}).get(name)
         measured = {}
         for op in OPS:  # the busiest rank's bytes in the profiled step (ZeRO shards may be uneven)
             sent = [t["bytes"].get(op, {}).get("sent_bytes", 0.0) for t in ranks.values()]
             if any(sent):
                 measured[op] = max(sent)
-        per_round = any(c.per_round for c in s.collectives)
-        if per_round and per.get("sent_bytes"):  # once every H steps: rank 0's mean over the timed steps
-            timed = per["sent_bytes"]
+        timed = per.get("sent_bytes") if any(c.per_round for c in s.collectives) else None
+        if timed:  # once every H steps: rank 0's mean over the timed steps
             measured = {op: sum(step.get(op, 0.0) for step in timed) / len(timed) for op in OPS
                         if any(step.get(op) for step in timed)}
         hidden = [t["hidden_fraction"] for t in ranks.values() if t["hidden_fraction"] is not None]
         state = max(memory, key=lambda m: m["model_state"].get("total", 0))["model_state"]
         lossy = compressed(opts) or s.checked_by == "loss"  # rounded wires, or another algorithm (DiLoCo)
         factors = wire_factors(opts)
-        theory = theoretical_bytes(base_of(name, variants), psi, n, shard=results.get("shard_sizes", {}).get(name),
+        theory = theoretical_bytes(base_of(name, variants), psi, n, shard=shard,
                                    sync_every=int(opts.get("sync_every") or 1))
         rows[name] = {
             "strategy": name, "kind": kind(name, variants), "reference": reference_of(name, names, references, variants),
@@ -104,11 +104,10 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             "hidden_fraction": statistics.mean(hidden) if hidden else None,
             "model_state_bytes": state,
             # DiLoCo's outer weights and momentum: 4 bytes each per parameter, over the worker's S ranks
-            "outer_state_theory": 4 * s.outer_copies * psi / (results.get("shard_sizes", {}).get(name) or 1)
-            if s.outer_copies else None,
+            "outer_state_theory": 4 * s.outer_copies * psi / (shard or 1) if s.outer_copies else None,
             "peak_bytes": max(m["peak_bytes"] for m in memory),
             "bytes_per_step": measured,
-            "bytes_averaged_over_steps": len(per["sent_bytes"]) if per_round and per.get("sent_bytes") else None,
+            "bytes_averaged_over_steps": len(timed) if timed else None,
             "theory_bytes_per_step": {op: b * factors[op] for op, b in theory.items()},
         }
     for name, row in rows.items():

@@ -76,6 +76,7 @@ class Fragment:
     params: list[torch.Tensor]
     lo: int                                   # this rank's slice [lo, hi) of the flat, padded fragment
     hi: int
+    numel: int                                # the fragment's elements
     padded: int                               # the flat length, padded to a multiple of S
     start: torch.nn.Parameter                 # the outer weights' slice (fp32): the round's start
     outer: torch.optim.SGD
@@ -114,20 +115,20 @@ class DiLoCo:
                  worker_group=None, across_group=None, total_steps: int | None = None):
         params = [p for p in params if p.requires_grad]
         check_schedule(sync_every, fragments, sync_delay, mixing, outer_lr, outer_momentum)
-        self.sync_every, self.fragments_n, self.sync_delay, self.mixing = sync_every, fragments, sync_delay, mixing
+        self.sync_every, self.sync_delay, self.mixing = sync_every, sync_delay, mixing
         self.wire = as_wire(wire)
         self.worker_group, self.across_group = worker_group, across_group
         self.workers = group_size(across_group) if across_group is not None else 1
         self.total_steps = total_steps
         self.step = 0  # inner steps taken
         S, s = (group_size(worker_group), group_rank(worker_group)) if worker_group is not None else (1, 0)
-        self.shard, self.shard_rank = S, s
+        self.shard = S
         self.fragments: list[Fragment] = []
         for f, run in enumerate(split_evenly(params, fragments)):
             n = sum(p.numel() for p in run)
             padded = -(-n // S) * S
             lo, hi = s * padded // S, (s + 1) * padded // S
-            frag = Fragment(f, run, lo, hi, padded, start=None, outer=None,
+            frag = Fragment(f, run, lo, hi, n, padded, start=None, outer=None,
                             phase=((f + 1) * sync_every // fragments) % sync_every)
             frag.start = torch.nn.Parameter(frag.flat()[lo:hi].clone(), requires_grad=False)
             frag.outer = torch.optim.SGD([frag.start], lr=outer_lr, momentum=outer_momentum,
@@ -165,9 +166,7 @@ class DiLoCo:
         f.delta = f.start.detach() - f.flat()[f.lo:f.hi]  # the round's pseudo-gradient, this rank's slice
         f.apply_at, f.taken_at = apply_at, self.step
         f.handle = comm.all_reduce(f.delta, group=self.across_group, async_op=True, wire_dtype=self.wire) \
-            if self.workers > 1 else None
-        if f.handle is None:
-            f.handle = _Done()
+            if self.workers > 1 else _Done()
 
     def _apply(self, f: Fragment, mixing: float) -> None:
         f.handle.wait()
@@ -180,11 +179,7 @@ class DiLoCo:
     @torch.no_grad()
     def _write_back(self, f: Fragment, mixing: float) -> None:
         """Every rank of the worker: the whole fragment's new outer weights, into its parameters."""
-        if self.shard > 1:
-            full = torch.empty(f.padded, dtype=f.start.dtype, device=f.start.device)
-            comm.all_gather_into(full, f.start.detach(), group=self.worker_group)
-        else:
-            full = f.start.detach()
+        full = self._whole(f, f.start.detach())
         offset = 0
         for p in f.params:
             new = full[offset:offset + p.numel()].view_as(p).to(p.dtype)
@@ -192,15 +187,18 @@ class DiLoCo:
             offset += p.numel()
 
     # -- state
-    def _gathered(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
-        """The whole fragment from every rank's slice `piece` (a collective within the worker),
-        unpadded: the form that loads at any S."""
-        n = sum(p.numel() for p in f.params)
+    def _whole(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
+        """The whole padded fragment from every rank's slice `piece` (a collective within the
+        worker; the slice itself with one rank a worker)."""
         if self.shard == 1:
-            return piece.detach().clone()[:n]
+            return piece
         full = torch.empty(f.padded, dtype=piece.dtype, device=piece.device)
-        comm.all_gather_into(full, piece.detach().contiguous(), group=self.worker_group)
-        return full[:n].clone()
+        comm.all_gather_into(full, piece.contiguous(), group=self.worker_group)
+        return full
+
+    def _gathered(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
+        """The whole fragment, unpadded and a copy: the form that loads at any S."""
+        return self._whole(f, piece.detach())[:f.numel].clone()
 
     def _slice(self, f: Fragment, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a whole fragment saved by `full_state_dict` (any S)."""
@@ -230,10 +228,9 @@ class DiLoCo:
                              f"{len(self.fragments)}: resume with the same strategy.fragments")
         self.step = int(state["step"])
         for f, saved in zip(self.fragments, state["fragments"]):
-            n = sum(p.numel() for p in f.params)
-            if saved["start"].numel() != n:
+            if saved["start"].numel() != f.numel:
                 raise ValueError(f"fragment {f.index}: the checkpoint's has {saved['start'].numel()} elements, "
-                                 f"this model's {n}")
+                                 f"this model's {f.numel}")
             with torch.no_grad():
                 f.start.copy_(self._slice(f, saved["start"]))
             f.outer.state.clear()

@@ -68,9 +68,7 @@ class DiLoCoStrategy(Strategy):
         wire = self.cfg.outer_wire
         return None if wire is None else Wire(str(wire), block=int(self.cfg.quant_block))
 
-    @property
-    def workers(self) -> int:
-        return self.mesh.replicate
+    _restarted = False  # load_portable: the weights came from another strategy's checkpoint
 
     @property
     def checkpoint_shards(self) -> int:
@@ -108,7 +106,7 @@ class DiLoCoStrategy(Strategy):
         self._restarted = True
 
     def resumed_at(self, step: int) -> None:
-        if getattr(self, "_restarted", False):
+        if self._restarted:
             self.outer.restart(step)
         elif self.outer.step != step:
             raise RuntimeError(f"the checkpoint's outer state is at step {self.outer.step}, its meta at {step}")
