@@ -175,6 +175,23 @@ class FlatShard:
             return comm.all_gather_into(self.full, own, group=self.group, async_op=async_op,
                                         algorithm=self.algorithm)
 
+    # ----------------------------------------------------------------- who owns what
+
+    def owned_range(self, k: int, rank: int) -> tuple[int, int]:
+        """[start, end) of slot k's parameter (flattened) that `rank` owns; start == end: none."""
+        slot = self.slots[k]
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        a, b = max(slot.offset, lo) - slot.offset, min(slot.offset + slot.numel, hi) - slot.offset
+        return (a, b) if a < b else (0, 0)
+
+    def owned_master(self, k: int) -> torch.Tensor:
+        """This rank's part of slot k's parameter in the master shard: a 1-D fp32 view (writable)."""
+        a, b = self.owned_range(k, self.rank)
+        if a == b:
+            return self.master[:0]
+        start = self.slots[k].offset + a - self.lo
+        return self.master[start:start + b - a]
+
     # ----------------------------------------------------------------- checkpoint pieces
 
     def owned_pieces(self, flat_values: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
