@@ -29,6 +29,13 @@ across the workers, and the worker's ranks all_gather the updated slices. What c
 workers is the model once per round, whatever S. Both groups must be groups of their own (not
 the world's default group): an outer all_reduce in flight must not queue the inner steps'
 collectives behind it.
+
+Under ZeRO within the worker (`sharded_by=` a ShardedDataParallel over the worker's ranks), a
+rank already holds its own 1/S of every parameter, in fp32: its master shards. The outer loop
+works on those pieces (the pseudo-gradient is taken from the masters, not from weights rounded
+to a compute dtype or a wire), writes the outer weights back into them, and the wrapper gathers
+the parameters again (refresh_parameters): the same exchange across workers, no copy of the
+whole model on any rank.
 """
 
 from __future__ import annotations
@@ -36,18 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from minidist import comm
 from minidist.comm.wire import as_wire
-
-
-def group_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def group_rank(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+from minidist.parallel.fragment_places import Replicated, ShardedWithin, group_size
 
 
 def split_evenly(params: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
@@ -69,15 +68,12 @@ def split_evenly(params: list[torch.Tensor], parts: int) -> list[list[torch.Tens
 
 @dataclass
 class Fragment:
-    """One fragment: its parameters, this rank's slice of their outer weights, its outer optimizer,
-    and its all_reduce while in flight."""
+    """One fragment: its parameters, where its values live (`place`), this rank's slice of its
+    outer weights, its outer optimizer, and its all_reduce while in flight."""
 
     index: int
     params: list[torch.Tensor]
-    lo: int                                   # this rank's slice [lo, hi) of the flat, padded fragment
-    hi: int
-    numel: int                                # the fragment's elements
-    padded: int                               # the flat length, padded to a multiple of S
+    place: Replicated | ShardedWithin
     start: torch.nn.Parameter                 # the outer weights' slice (fp32): the round's start
     outer: torch.optim.SGD
     phase: int                                # its outer update comes at the steps t with t % H == phase
@@ -87,10 +83,9 @@ class Fragment:
     synced_at: int = 0                        # the last step its outer update was applied
     taken_at: int = 0                         # the step of the weights its last pseudo-gradient was taken from
 
-    def flat(self) -> torch.Tensor:
-        """The fragment's current weights, flat, fp32, padded to `padded`."""
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        return torch.nn.functional.pad(flat, (0, self.padded - flat.numel()))
+    @property
+    def numel(self) -> int:
+        return self.place.numel
 
 
 class DiLoCo:
@@ -107,30 +102,34 @@ class DiLoCo:
         fragments, sync_delay, mixing: streaming DiLoCo (module doc); 1, 0, 0 is DiLoCo.
         wire: what the pseudo-gradients travel as (None: fp32; "bf16", "fp16", "int8", a Wire).
         worker_group, across_group: see the module doc (None with one rank).
+        sharded_by: the worker's ShardedDataParallel (ZeRO within the worker, over worker_group,
+            which may then be left out): the outer loop works on this rank's master shards
+            (module doc); None: the parameters are whole on every rank of the worker.
         total_steps: the run's last step, at which every fragment is synced.
     """
 
     def __init__(self, params, *, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  fragments: int = 1, sync_delay: int = 0, mixing: float = 0.0, wire=None,
-                 worker_group=None, across_group=None, total_steps: int | None = None):
+                 worker_group=None, across_group=None, sharded_by=None, total_steps: int | None = None):
         params = [p for p in params if p.requires_grad]
         check_schedule(sync_every, fragments, sync_delay, mixing, outer_lr, outer_momentum)
         self.sync_every, self.sync_delay, self.mixing = sync_every, sync_delay, mixing
         self.wire = as_wire(wire)
-        self.worker_group, self.across_group = worker_group, across_group
+        if sharded_by is not None and worker_group not in (None, sharded_by.process_group):
+            raise ValueError("DiLoCo: worker_group must be sharded_by's process group (or left out)")
+        self.sharded_by = sharded_by
+        self.worker_group = sharded_by.process_group if sharded_by is not None else worker_group
+        self.across_group = across_group
         self.workers = group_size(across_group) if across_group is not None else 1
         self.total_steps = total_steps
         self.step = 0  # inner steps taken
-        S, s = (group_size(worker_group), group_rank(worker_group)) if worker_group is not None else (1, 0)
-        self.shard = S
+        self._written = False  # master shards written since the wrapper last gathered them
         self.fragments: list[Fragment] = []
         for f, run in enumerate(split_evenly(params, fragments)):
-            n = sum(p.numel() for p in run)
-            padded = -(-n // S) * S
-            lo, hi = s * padded // S, (s + 1) * padded // S
-            frag = Fragment(f, run, lo, hi, n, padded, start=None, outer=None,
+            place = ShardedWithin(run, sharded_by) if sharded_by is not None else Replicated(run, worker_group)
+            frag = Fragment(f, run, place, start=None, outer=None,
                             phase=((f + 1) * sync_every // fragments) % sync_every)
-            frag.start = torch.nn.Parameter(frag.flat()[lo:hi].clone(), requires_grad=False)
+            frag.start = torch.nn.Parameter(place.local(), requires_grad=False)
             frag.outer = torch.optim.SGD([frag.start], lr=outer_lr, momentum=outer_momentum,
                                          nesterov=outer_momentum > 0)
             self.fragments.append(frag)
@@ -150,6 +149,7 @@ class DiLoCo:
                 self._apply(f, self.mixing)
         if self.total_steps is not None and self.step >= self.total_steps:
             self.finish()
+        self._refresh()
 
     def finish(self) -> None:
         """End the round now: an update in flight lands as scheduled, then every fragment whose last
@@ -161,12 +161,15 @@ class DiLoCo:
             if f.taken_at != self.step:
                 self._launch(f, self.step)
                 self._apply(f, 0.0)
+        self._refresh()
 
     def _launch(self, f: Fragment, apply_at: int) -> None:
-        f.delta = f.start.detach() - f.flat()[f.lo:f.hi]  # the round's pseudo-gradient, this rank's slice
+        f.delta = f.start.detach() - f.place.local()  # the round's pseudo-gradient, this rank's slice
         f.apply_at, f.taken_at = apply_at, self.step
+        # (An empty slice, a ZeRO rank owning none of the fragment, is empty at that place in every
+        # worker: nothing to exchange.)
         f.handle = comm.all_reduce(f.delta, group=self.across_group, async_op=True, wire_dtype=self.wire) \
-            if self.workers > 1 else _Done()
+            if self.workers > 1 and f.delta.numel() else _Done()
 
     def _apply(self, f: Fragment, mixing: float) -> None:
         f.handle.wait()
@@ -174,37 +177,16 @@ class DiLoCo:
         f.outer.step()
         f.start.grad, f.delta, f.handle, f.apply_at = None, None, None, None
         f.synced_at = self.step
-        self._write_back(f, mixing)
+        f.place.write(f.start.detach(), mixing)
+        self._written = True
 
-    @torch.no_grad()
-    def _write_back(self, f: Fragment, mixing: float) -> None:
-        """Every rank of the worker: the whole fragment's new outer weights, into its parameters."""
-        full = self._whole(f, f.start.detach())
-        offset = 0
-        for p in f.params:
-            new = full[offset:offset + p.numel()].view_as(p).to(p.dtype)
-            p.copy_(new if mixing == 0 else torch.lerp(new, p, mixing))
-            offset += p.numel()
+    def _refresh(self) -> None:
+        """After outer updates: the ZeRO wrapper gathers its parameters from the written masters."""
+        if self._written and self.sharded_by is not None:
+            self.sharded_by.refresh_parameters()
+        self._written = False
 
     # -- state
-    def _whole(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
-        """The whole padded fragment from every rank's slice `piece` (a collective within the
-        worker; the slice itself with one rank a worker)."""
-        if self.shard == 1:
-            return piece
-        full = torch.empty(f.padded, dtype=piece.dtype, device=piece.device)
-        comm.all_gather_into(full, piece.contiguous(), group=self.worker_group)
-        return full
-
-    def _gathered(self, f: Fragment, piece: torch.Tensor) -> torch.Tensor:
-        """The whole fragment, unpadded and a copy: the form that loads at any S."""
-        return self._whole(f, piece.detach())[:f.numel].clone()
-
-    def _slice(self, f: Fragment, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a whole fragment saved by `full_state_dict` (any S)."""
-        full = torch.nn.functional.pad(full.to(f.start.device).float(), (0, f.padded - full.numel()))
-        return full[f.lo:f.hi].clone()
-
     def full_state_dict(self) -> dict:
         """The outer state, whole (a collective within the worker): per fragment the outer weights,
         the outer momentum and an all_reduce in flight (waited for here: its averaged result is
@@ -215,11 +197,11 @@ class DiLoCo:
             if f.handle is not None:
                 f.handle.wait()
                 f.handle = _Done()
-                pending = {"apply_at": f.apply_at, "delta": self._gathered(f, f.delta)}
+                pending = {"apply_at": f.apply_at, "delta": f.place.whole(f.delta)}
             buf = f.outer.state.get(f.start, {}).get("momentum_buffer")
-            frags.append({"start": self._gathered(f, f.start), "pending": pending, "synced_at": f.synced_at,
+            frags.append({"start": f.place.whole(f.start), "pending": pending, "synced_at": f.synced_at,
                           "taken_at": f.taken_at,
-                          "momentum": None if buf is None else self._gathered(f, buf)})
+                          "momentum": None if buf is None else f.place.whole(buf)})
         return {"step": self.step, "fragments": frags}
 
     def load_full_state_dict(self, state: dict) -> None:
@@ -228,17 +210,18 @@ class DiLoCo:
                              f"{len(self.fragments)}: resume with the same strategy.fragments")
         self.step = int(state["step"])
         for f, saved in zip(self.fragments, state["fragments"]):
+            mine = lambda whole: f.place.slice(whole.to(f.start.device))  # noqa: E731
             if saved["start"].numel() != f.numel:
                 raise ValueError(f"fragment {f.index}: the checkpoint's has {saved['start'].numel()} elements, "
                                  f"this model's {f.numel}")
             with torch.no_grad():
-                f.start.copy_(self._slice(f, saved["start"]))
+                f.start.copy_(mine(saved["start"]))
             f.outer.state.clear()
             if saved["momentum"] is not None:
-                f.outer.state[f.start] = {"momentum_buffer": self._slice(f, saved["momentum"])}
+                f.outer.state[f.start] = {"momentum_buffer": mine(saved["momentum"])}
             f.synced_at, f.taken_at = int(saved["synced_at"]), int(saved["taken_at"])
             pending = saved["pending"]
-            f.delta, f.apply_at = (self._slice(f, pending["delta"]), int(pending["apply_at"])) if pending \
+            f.delta, f.apply_at = (mine(pending["delta"]), int(pending["apply_at"])) if pending \
                 else (None, None)
             f.handle = _Done() if pending else None
 
@@ -248,7 +231,7 @@ class DiLoCo:
         self.step = step
         for f in self.fragments:
             with torch.no_grad():
-                f.start.copy_(f.flat()[f.lo:f.hi])
+                f.start.copy_(f.place.local())
             f.outer.state.clear()
             f.delta, f.handle, f.apply_at, f.synced_at, f.taken_at = None, None, None, step, step
 
