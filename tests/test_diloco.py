@@ -15,6 +15,11 @@
   1/8 of its bytes or less (the full-length figures: scripts/measure_diloco.py, docs/benchmarks.md).
 - Checkpoints: exact resume is in test_train_strategies (both, 2 workers x DDP in each); here the
   portable form (to ddp and back) and another number of workers.
+- ZeRO within the worker (strategy.inner=zero1-3): the outer loop on each rank's master shards is
+  the outer loop on whole parameters, within rounding (every rank's whole state_dict, streaming with
+  mixing and a pending all_reduce, a fragment some rank owns none of); H = 1 with plain outer SGD is
+  ddp; a worker's optimizer state is 1/S a rank; it resumes exactly, and its checkpoint resumes
+  under DDP within the worker.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def states_on_rank(cfg_dict: dict, run_dir: str, resume_from: str | None = None)
     trainer = Trainer(OmegaConf.create(cfg_dict), run_dir, resume_from=resume_from)
     try:
         summary = trainer.fit()
-        state = {k: v.detach().cpu().clone() for k, v in trainer.net.state_dict().items()}
+        model = trainer.strategy.model  # ZeRO within the worker: gathered from its shards (a collective)
+        whole = model.full_state_dict() if hasattr(model, "sharded_state_dict") else trainer.net.state_dict()
+        state = {k: v.detach().cpu().clone() for k, v in whole.items()}
         return {"state": state, "summary": summary, "memory": trainer.strategy.memory_report()}
     finally:
         trainer.close()
@@ -146,26 +153,36 @@ def test_shard_size_needs_inner_ddp(ranks, tmp_path):
                      timeout_s=60)
 
 
-def test_bytes_and_outer_state_are_the_specs_measured(ranks, tmp_path):
+@pytest.mark.parametrize("inner", ["ddp", pytest.param("zero2", marks=pytest.mark.slow(
+    stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured[zero3]")), "zero3"])
+def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
     """2 workers of 2 ranks, H = 4, 16 steps: the tracer's bytes a step over the run equal the
-    spec's theory averaged over the round; the outer state measured is 8 bytes a parameter / S."""
+    spec's theory (as strategy.inner configures it) averaged over the round; the outer state
+    measured is 8 bytes a parameter / S, and so is Adam's state under ZeRO within the worker."""
     pool = ranks(4)
-    out = run(pool, tmp_path, "mesh", "strategy.sync_every=4", "strategy.inner=ddp", "strategy.shard_size=2",
+    out = run(pool, tmp_path, "mesh", "strategy.sync_every=4", f"strategy.inner={inner}", "strategy.shard_size=2",
               "trainer.max_steps=16", strategy="diloco")
-    s = spec("diloco")
+    s = spec("diloco").for_options({"inner": inner})
     for rank, r in enumerate(out):
         n_params = r["summary"]["parameters"]
         theory = s.wire_bytes(n_params, 4, shard=2, sync_every=4)
         measured = {op: r["summary"].get(f"comm/mean_{op}_bytes_per_step", 0.0) for op in theory}
+        # nothing the theory leaves out (but DataParallel's broadcast of the buffers, which no spec prices)
+        assert set(theory) == {op for op in ("all_reduce", "reduce_scatter", "all_gather")
+                               if r["summary"].get(f"comm/mean_{op}_bytes_per_step")}, (rank, theory)
         for op, b in theory.items():
             assert measured[op] == pytest.approx(b, rel=0.01), (rank, op, measured, theory)
-        # outer weights and momentum: 2 fp32 slices of Psi/S (each fragment padded to a multiple of S)
-        assert r["memory"]["outer_state"] == pytest.approx(2 * 4 * n_params / 2, abs=2 * 4 * 2)
-        assert s.model_state_bytes(n_params, 4, shard=2) - spec("ddp").model_state_bytes(n_params, 4) == \
-            pytest.approx(2 * 4 * n_params / 2)
+        # outer weights and momentum: 2 fp32 slices of Psi/S (each fragment padded to a multiple of S,
+        # or each flat shard under ZeRO)
+        assert r["memory"]["outer_state"] == pytest.approx(2 * 4 * n_params / 2, rel=0.01)
+        sharded = 2 if s.sharded_over("optimizer") else 1
+        assert r["memory"]["optimizer_state"] == pytest.approx(8 * n_params / sharded, rel=0.01)
+        # the theory: the inner strategy's state on a worker of 2 ranks, plus the outer state
+        assert s.model_state_bytes(n_params, 4, shard=2) == \
+            pytest.approx(spec(inner).model_state_bytes(n_params, 2) + 2 * 4 * n_params / 2)
 
 
-@pytest.mark.slow(stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured")
+@pytest.mark.slow(stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured[ddp]")
 def test_quality_at_a_shortened_length(ranks, tmp_path):
     """Tiny GPT, 2 workers, 80 steps: diloco at H = 8 within 3% of ddp's validation loss at the
     same tokens, sending at most 1/8 of ddp's bytes a step."""
@@ -220,3 +237,108 @@ def test_streaming_resumes_exactly_from_a_save_with_an_all_reduce_in_flight(rank
                        timeout_s=240)
     for rank in range(2):
         assert worst_relative(resumed[rank]["state"], straight[rank]["state"]) == 0.0, rank
+
+
+# -- ZeRO within the worker (strategy.inner=zero1 | zero2 | zero3)
+
+MESH = ("strategy.shard_size=2",)  # 2 workers of 2 ranks
+STREAMING = ("strategy.sync_every=8", "strategy.fragments=4", "strategy.sync_delay=1", "strategy.mixing=0.5")
+SLOW_INNER = pytest.mark.slow(stand_in="test_diloco.py::test_zero_within_the_worker_is_the_same_outer_loop[zero3]")
+
+
+def outer_loop_on_rank(inner: str, steps: int) -> dict:
+    """A 2-layer net on 2 workers of 2 ranks, each worker's ranks on their own data, DiLoCo with 2
+    fragments (H = 2): with ZeRO within the worker, one flat shard of the 4 parameters (stage 3:
+    one unit, the root) puts all of one fragment on one rank and all of the other on the other,
+    so each rank's slice of one fragment is empty. Returns the weights, and the outer state saved,
+    reloaded and saved again."""
+    import functools
+
+    import torch.distributed as dist
+
+    import minidist
+    from minidist import DataParallel, ShardedDataParallel
+
+    mesh = minidist.init_mesh(replicate=2, shard=2)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    if inner == "ddp":
+        model = DataParallel(net, process_group=mesh.shard_group)
+        opt, place = torch.optim.AdamW(net.parameters(), lr=0.05), {"worker_group": mesh.shard_group}
+    else:
+        model = ShardedDataParallel(net, functools.partial(torch.optim.AdamW, lr=0.05), stage=int(inner[-1]),
+                                    process_group=mesh.shard_group, **({"min_unit_params": 10**6} if inner == "zero3" else {}))
+        opt, place = model.optimizer, {"sharded_by": model}
+    outer = DiLoCo(net.parameters(), sync_every=2, fragments=2, sync_delay=0, mixing=0.25, outer_lr=0.7,
+                   outer_momentum=0.9, across_group=mesh.replicate_group, total_steps=steps, **place)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(steps):
+        model(torch.randn(8, 4, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        outer.after_inner_step()
+    saved = outer.full_state_dict()
+    outer.load_full_state_dict(saved)
+    again = outer.full_state_dict()
+    whole = model.full_state_dict() if inner != "ddp" else net.state_dict()
+    return {"state": {k: v.detach().clone() for k, v in whole.items()}, "outer": saved, "outer_again": again,
+            "slices": [f.start.numel() for f in outer.fragments]}
+
+
+def test_diloco_on_master_shards_is_diloco_on_whole_parameters(ranks):
+    """Every rank's weights and whole outer state, ZeRO-2/3 within the worker against DDP, 7 steps
+    (a last, partial round); a slice of a fragment empty on some ranks; save-load-save unchanged."""
+    pool = ranks(4)
+    ddp = pool.run(outer_loop_on_rank, "ddp", 7, timeout_s=120)
+    for inner in ("zero2", "zero3"):
+        zero = pool.run(outer_loop_on_rank, inner, 7, timeout_s=120)
+        assert 0 in zero[0]["slices"] and 0 in zero[1]["slices"], zero[0]["slices"]  # some fragment empty there
+        for rank in range(4):
+            assert worst_relative(zero[rank]["state"], ddp[rank]["state"]) <= 1e-5, (inner, rank)
+            for a, b in zip(zero[rank]["outer"]["fragments"], ddp[rank]["outer"]["fragments"]):
+                assert worst_relative({"s": a["start"], "m": a["momentum"]}, {"s": b["start"], "m": b["momentum"]}) \
+                    <= 1e-5, (inner, rank)
+            for a, b in zip(zero[rank]["outer"]["fragments"], zero[rank]["outer_again"]["fragments"]):
+                assert torch.equal(a["start"], b["start"]) and torch.equal(a["momentum"], b["momentum"])
+
+
+@pytest.mark.parametrize("inner", [pytest.param("zero1", marks=SLOW_INNER), pytest.param("zero2", marks=SLOW_INNER),
+                                   "zero3"])
+def test_zero_within_the_worker_is_the_same_outer_loop(inner, ranks, tmp_path):
+    """Streaming (4 fragments, tau = 1, mixing 0.5, outer momentum) through the trainer: 2 workers of
+    2 ranks running ZeRO end where those running DDP do, on every rank, within rounding (the
+    gradient norm is summed over other pieces)."""
+    pool = ranks(4)
+    ddp = run(pool, tmp_path, "ddp", *STREAMING, *MESH, "strategy.inner=ddp", strategy="diloco_streaming")
+    zero = run(pool, tmp_path, inner, *STREAMING, *MESH, f"strategy.inner={inner}", strategy="diloco_streaming")
+    for rank in range(4):
+        assert worst_relative(zero[rank]["state"], ddp[rank]["state"]) <= 1e-5, rank
+
+
+@pytest.mark.parametrize("inner", [pytest.param("zero1", marks=SLOW_INNER), pytest.param("zero2", marks=SLOW_INNER),
+                                   "zero3"])
+def test_one_step_rounds_of_workers_running_zero_are_ddp(inner, ranks, tmp_path):
+    pool = ranks(4)
+    ddp = run(pool, tmp_path, "ddp", *SGD, strategy="ddp")
+    diloco = run(pool, tmp_path, "diloco", *SGD, *PLAIN_OUTER, "strategy.sync_every=1", f"strategy.inner={inner}",
+                 *MESH, strategy="diloco")
+    for rank in range(4):
+        assert worst_relative(diloco[rank]["state"], ddp[rank]["state"]) <= 1e-5, rank
+
+
+def test_zero_within_the_worker_resumes_exactly_and_under_ddp(ranks, tmp_path):
+    """ZeRO-3 within 2 workers of 2 ranks, streaming, stopped at step 9 with fragment 0's all_reduce
+    in flight: 9 + 11 resumed steps equal 20 straight, bitwise, on every rank. Its checkpoint is the
+    same files DDP within the worker writes: resumed so, it ends within rounding of the same."""
+    pool = ranks(4)
+    opts = (*STREAMING, *MESH)
+    straight = run(pool, tmp_path, "straight", *opts, "strategy.inner=zero3", strategy="diloco_streaming")
+    run(pool, tmp_path, "split", *opts, "strategy.inner=zero3", "trainer.stop_at=9", strategy="diloco_streaming")
+    ckpt = list_checkpoints(tmp_path / "split")[0]
+    resumed = pool.run(states_on_rank, tiny(*opts, "strategy.inner=zero3", strategy="diloco_streaming"),
+                       str(tmp_path / "split"), str(ckpt), timeout_s=240)
+    as_ddp = pool.run(states_on_rank, tiny(*opts, "strategy.inner=ddp", strategy="diloco_streaming"),
+                      str(tmp_path / "as_ddp"), str(ckpt), timeout_s=240)
+    for rank in range(4):
+        assert worst_relative(resumed[rank]["state"], straight[rank]["state"]) == 0.0, rank
+        assert worst_relative(as_ddp[rank]["state"], straight[rank]["state"]) <= 1e-5, rank

@@ -75,7 +75,8 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         per = results["per_step"][name]
         ranks = results["timelines"][name]
         memory = results["memory"][name]
-        s, opts = spec(base_of(name, variants)), options.get(name, {})
+        opts = options.get(name, {})
+        s = spec(base_of(name, variants)).for_options(opts)  # as its options configure it (DiLoCo's inner)
         shard = results.get("shard_sizes", {}).get(name)
         measured = {}
         for op in OPS:  # the busiest rank's bytes in the profiled step (ZeRO shards may be uneven)
@@ -91,7 +92,7 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         lossy = compressed(opts) or s.checked_by == "loss"  # rounded wires, or another algorithm (DiLoCo)
         factors = wire_factors(opts)
         theory = theoretical_bytes(base_of(name, variants), psi, n, shard=shard,
-                                   sync_every=int(opts.get("sync_every") or 1))
+                                   sync_every=int(opts.get("sync_every") or 1), options=opts)
         rows[name] = {
             "strategy": name, "kind": kind(name, variants), "reference": reference_of(name, names, references, variants),
             "checked_by": "loss" if lossy else "parameters",

@@ -26,8 +26,10 @@ from minidist.train.strategies import spec
 
 
 def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4,
-                      shard: int | None = None, sync_every: int = 1) -> dict[str, float]:
+                      shard: int | None = None, sync_every: int = 1, options=None) -> dict[str, float]:
     """Ring-model bytes sent per rank per optimizer step, per op ({} for one rank, or n == 1).
     Hybrid strategies need `shard`, the size S of their shard groups ({} without it); DiLoCo's
-    outer collectives are averaged over their round of `sync_every` steps."""
-    return spec(strategy).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes, sync_every=sync_every)
+    outer collectives are averaged over their round of `sync_every` steps. `options`: the
+    strategy's config, where an option changes what it sends (DiLoCo's strategy.inner)."""
+    return spec(strategy).for_options(options).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes,
+                                                          sync_every=sync_every)

@@ -12,9 +12,10 @@ engine), never files.
     dcp        torch.distributed.checkpoint's folder (dcp/): every rank writes its own shards at
                once, nothing is gathered (native_fsdp, native_hsdp); dcp_files.py reads it safely;
                and layout.pt, the module's key order
-    workers    DiLoCo's: worker%05d.pt per worker (its own weights and inner optimizer state, by its
-               first rank), outer.pt (the outer weights, momentum and the round's place, whole, by
-               rank 0) and layout.pt; consolidated, it is the outer (synchronised) weights
+    workers    DiLoCo's: worker%05d.pt per worker (its own weights and inner optimizer state, whole,
+               by its first rank, whatever the inner strategy), outer.pt (the outer weights, momentum
+               and the round's place, whole, by rank 0) and layout.pt; consolidated, it is the outer
+               (synchronised) weights
 
 Any layout but DeepSpeed's also gives its state in one portable form (`portable`): the plain
 state_dict, and the optimizer's state keyed by parameter name, as torch.distributed.checkpoint's
@@ -267,12 +268,11 @@ class Workers(Collected):
     name = "workers"
 
     def collect(self, strategy) -> dict[str, object]:
-        outer = strategy.outer.full_state_dict()  # a collective within each worker: every rank calls it
+        outer = strategy.outer.full_state_dict()  # collectives within each worker: every rank calls them
+        worker = strategy.worker_state()
         files = {}
         if strategy.worker_rank == 0:
-            net = {k: v.detach().cpu().clone() for k, v in strategy.net.state_dict().items()}
-            files[worker_path(Path(), strategy.worker).name] = {"model": net,
-                                                                "optimizer": strategy.optimizer.state_dict()}
+            files[worker_path(Path(), strategy.worker).name] = worker
         if strategy.ctx.rank == 0:
             trained = [n for n, p in strategy.net.named_parameters() if p.requires_grad]
             files[OUTER] = {**outer, "params": fragment_names(trained, strategy.outer.fragments)}
@@ -282,8 +282,7 @@ class Workers(Collected):
     def load(self, strategy, directory: Path, meta: dict) -> None:
         device = strategy.ctx.device
         own = load_tensors(worker_path(directory, strategy.worker % Sharded.shards(meta)), map_location=device)
-        strategy.net.load_state_dict(own["model"])
-        strategy.optimizer.load_state_dict(own["optimizer"])
+        strategy.load_worker_state(own)
         strategy.outer.load_full_state_dict(load_tensors(Path(directory) / OUTER, map_location=device))
 
     def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:

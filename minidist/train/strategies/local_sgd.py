@@ -6,28 +6,37 @@
 | diloco_streaming | the same, the model in `fragments` synced at staggered steps, each     | workers    |
 |                  | fragment's all_reduce behind the next `sync_delay` inner steps         |            |
 
-A worker is one rank (strategy.inner=null) or the ranks of one host running minidist's
-DataParallel among themselves every step (strategy.inner=ddp; strategy.shard_size ranks, null:
-one host): the realistic setup, fast links within a host, slow ones between hosts. The outer
-step's all_reduce runs across the workers (one rank of each, 1/S of the model per rank), so only
-it crosses hosts. minidist.parallel.diloco holds the algorithm.
+A worker is one rank (strategy.inner=null) or the ranks of one host training as one replica
+every step (strategy.shard_size ranks, null: one host): minidist's DataParallel among them
+(strategy.inner=ddp), or ZeRO (strategy.inner=zero1 | zero2 | zero3: ShardedDataParallel over the
+worker's ranks, so a worker holds 1/S of the model state per rank, and the outer loop works on
+each rank's master shards). That is the realistic setup, fast links within a host, slow ones
+between hosts. The outer step's all_reduce runs across the workers (one rank of each, 1/S of the
+model per rank), so only it crosses hosts. minidist.parallel.diloco holds the algorithm.
 
 "workers" checkpoints (checkpoint_layouts.Workers): each worker its own weights and inner
-optimizer state, and the outer state once; they resume exactly.
+optimizer state (gathered whole from a ZeRO worker's shards: one form whatever the inner), and
+the outer state once; they resume exactly, also under another inner strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 
-from minidist.train.errors import ConfigError
+import torch
+
 from minidist.memory import measure
+from minidist.parallel.diloco import DiLoCo
+from minidist.train.errors import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
-from minidist.train.strategies.ours import WIRES
+from minidist.train.strategies.ours import WIRES, ShardedModelState
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import Collective, StrategySpec
+from minidist.train.strategies.spec import ZERO3, ZERO12, Collective, StrategySpec
 
-INNER = (None, "ddp")  # what synchronises a worker's ranks every step
+ZERO_INNER = {"zero1": 1, "zero2": 2, "zero3": 3}  # strategy.inner -> its ZeRO stage within the worker
+INNER = (None, "ddp", *ZERO_INNER)  # what synchronises a worker's ranks every step
 
 
 class DiLoCoStrategy(Strategy):
@@ -38,29 +47,39 @@ class DiLoCoStrategy(Strategy):
         import torch.distributed as dist
 
         import minidist
-        from minidist import DataParallel, DiLoCo
 
         c = self.cfg
         if c.inner is None and c.get("shard_size") not in (None, 1):
             raise ConfigError(f"strategy.shard_size={c.shard_size} with strategy.inner=null: each rank is a worker; "
-                              "set strategy.inner=ddp for workers of several ranks")
+                              "set strategy.inner=ddp (or zero1-3) for workers of several ranks")
         self.mesh = minidist.init_mesh(replicate=dist.get_world_size(), shard=1) if c.inner is None \
             else build_mesh(c)
         self.shard_size = self.mesh.shard
-        worker = self.mesh.shard_group if self.mesh.shard > 1 else None
-        model = net if c.inner is None else DataParallel(
-            net, process_group=self.mesh.shard_group, bucket_cap_mb=float(c.bucket_cap_mb),
-            grad_wire=c.grad_wire, quant_block=int(c.quant_block))
-        optimizer = optim_cls(net.parameters(), **optim_kwargs)
+        model, optimizer = self._inner(net, optim_cls, optim_kwargs)
         try:
             self.outer = DiLoCo(net.parameters(), sync_every=c.sync_every, outer_lr=float(c.outer_lr),
                                 outer_momentum=float(c.outer_momentum), fragments=c.get("fragments", 1),
                                 sync_delay=c.get("sync_delay", 0), mixing=float(c.get("mixing", 0.0)),
-                                wire=self._outer_wire(), worker_group=worker, across_group=self.mesh.replicate_group,
-                                total_steps=self.total_steps)
+                                wire=self._outer_wire(), across_group=self.mesh.replicate_group,
+                                total_steps=self.total_steps, **self._placement(model))
         except ValueError as e:  # the schedule's checks name the option: say it is the strategy's
             raise ConfigError(f"strategy.{e}") from None
         return model, optimizer
+
+    def _inner(self, net, optim_cls, optim_kwargs):
+        """The worker's model and inner optimizer: net itself (inner=null) or DataParallel over the
+        worker's ranks (inner=ddp), and the run's optimizer over its parameters."""
+        from minidist import DataParallel
+
+        c = self.cfg
+        model = net if c.inner is None else DataParallel(
+            net, process_group=self.mesh.shard_group, bucket_cap_mb=float(c.bucket_cap_mb),
+            grad_wire=c.grad_wire, quant_block=int(c.quant_block))
+        return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def _placement(self, model) -> dict:
+        """How DiLoCo finds a worker's ranks: each holds the whole parameters."""
+        return {"worker_group": self.mesh.shard_group if self.mesh.shard > 1 else None}
 
     def _outer_wire(self):
         from minidist.comm.wire import Wire
@@ -111,21 +130,99 @@ class DiLoCoStrategy(Strategy):
         elif self.outer.step != step:
             raise RuntimeError(f"the checkpoint's outer state is at step {self.outer.step}, its meta at {step}")
 
+    # -- what checkpoint_layouts.Workers saves and loads
+    def worker_state(self) -> dict:
+        """This worker's weights and inner optimizer state, on its first rank ({} elsewhere)."""
+        if self.worker_rank != 0:
+            return {}
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_worker_state(self, state: dict) -> None:
+        self.net.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def memory_report(self):
-        report = super().memory_report()
-        extra = measure({"outer_state": self.outer.memory_tensors()})["outer_state"]
-        return {**{k: v for k, v in report.items() if k != "total"}, "outer_state": extra,
-                "total": report["total"] + extra}
+        return with_outer_state(super().memory_report(), self.outer)
+
+
+class DiLoCoOverZero(ShardedModelState, DiLoCoStrategy):
+    """DiLoCo whose workers run ZeRO within themselves (strategy.inner=zero1 | zero2 | zero3): each
+    rank holds 1/S of the worker's model state, and the outer loop works on its master shards."""
+
+    def _inner(self, net, optim_cls, optim_kwargs):
+        """ShardedDataParallel at the inner stage over the worker's ranks, with the run's optimizer."""
+        from minidist import ShardedDataParallel
+
+        c, stage = self.cfg, ZERO_INNER[self.cfg.inner]
+        kwargs = {"grad_wire": c.grad_wire, "quant_block": int(c.quant_block)}
+        if stage < 3:
+            kwargs["bucket_cap_mb"] = float(c.bucket_cap_mb)
+        else:  # as strategy=zero3: units by size, gathered in bf16 and reduced in fp32 under bf16
+            kwargs["min_unit_params"] = c.get("min_unit_params")
+            if self.compute_dtype is not None:
+                kwargs.update(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=stage,
+                                    process_group=self.mesh.shard_group, **kwargs)
+        return model, model.optimizer
+
+    def _placement(self, model) -> dict:
+        """DiLoCo works on each rank's master shards."""
+        return {"sharded_by": model}
+
+    def worker_state(self) -> dict:
+        """As DiLoCoStrategy's, gathered from the worker's shards (a collective within the worker):
+        the same files whatever the inner strategy."""
+        model, optim = self.full_state_dict(), self.optimizer_state_dict()
+        if self.worker_rank != 0:
+            return {}
+        return {"model": {k: v.detach().cpu() for k, v in model.items()}, "optimizer": optim}
+
+    def load_worker_state(self, state: dict) -> None:
+        self.load_full_state_dict(state["model"])
+        self.load_optimizer_state_dict(state["optimizer"])
+
+    def memory_report(self):
+        return with_outer_state(self.model.memory_report(), self.outer)
+
+
+def with_outer_state(report: dict, outer) -> dict:
+    """A memory report with what the outer loop adds (`outer_state`, measured) in its total."""
+    extra = measure({"outer_state": outer.memory_tensors()})["outer_state"]
+    return {**{k: v for k, v in report.items() if k != "total"}, "outer_state": extra,
+            "total": report["total"] + extra}
+
+
+def diloco_strategy(cfg, ctx, compute_dtype=None) -> DiLoCoStrategy:
+    """The DiLoCo strategy for strategy.inner: ZeRO within the worker, or whole parameters."""
+    cls = DiLoCoOverZero if cfg.get("inner") in ZERO_INNER else DiLoCoStrategy
+    return cls(cfg, ctx, compute_dtype)
 
 
 # The outer all_reduce: each rank's 1/S of the model across the workers, then the worker's ranks
 # gather the updated slices; both once per round of sync_every steps. The inner DDP's all_reduce
 # within a worker runs every step (nothing at S = 1, one rank per worker).
-LOCAL_SGD = (Collective("all_reduce", group="shard"),
-             Collective("all_reduce", group="replicas", payload="shard", per_round=True),
+OUTER_ALL_REDUCE = Collective("all_reduce", group="replicas", payload="shard", per_round=True)
+LOCAL_SGD = (Collective("all_reduce", group="shard"), OUTER_ALL_REDUCE,
              Collective("all_gather", group="shard", per_round=True))
+
+
+def with_inner(s: StrategySpec, options) -> StrategySpec:
+    """DiLoCo's spec under strategy.inner: with ZeRO within the worker, the stage's collectives in
+    the worker every step and its model state sharded over the worker's S ranks; once a round the
+    outer all_reduce, and at stages 1-2 the gather of the written master shards (stage 3's next
+    forward gathers them anyway)."""
+    stage = ZERO_INNER.get(options.get("inner"))
+    if stage is None:
+        return s
+    inner = tuple(Collective(c.op, "shard", c.payload, c.count) for c in (ZERO3 if stage == 3 else ZERO12))
+    regather = () if stage == 3 else (Collective("all_gather", group="shard", per_round=True),)
+    return dataclasses.replace(s, zero_stage=stage, messages="units" if stage == 3 else "buckets",
+                               collectives=inner + (OUTER_ALL_REDUCE,) + regather, flat_optimizer_shards=True)
+
+
 OPTIONS = ("inner", "shard_size", "sync_every", "outer_lr", "outer_momentum", "outer_wire", "quant_block",
-           "bucket_cap_mb", "grad_wire")
+           "bucket_cap_mb", "min_unit_params", "grad_wire")
 CHOICES = {"inner": INNER, "outer_wire": WIRES, "grad_wire": WIRES}
 for _name, _extra, _summary in (
         ("diloco", (), "DiLoCo: the run's optimizer inner on each worker, an outer Nesterov SGD on the "
@@ -133,6 +230,6 @@ for _name, _extra, _summary in (
         ("diloco_streaming", ("fragments", "sync_delay", "mixing"),
          "streaming DiLoCo: DiLoCo with the model in fragments synced at staggered steps, each all_reduce "
          "overlapped with the next sync_delay inner steps")):
-    register(StrategySpec(_name, "minidist", DiLoCoStrategy, _summary, checkpoint="workers", reference="ddp",
+    register(StrategySpec(_name, "minidist", diloco_strategy, _summary, checkpoint="workers", reference="ddp",
                           hybrid=True, collectives=LOCAL_SGD, options=OPTIONS + _extra, choices=CHOICES,
-                          checked_by="loss", outer_copies=2))
+                          checked_by="loss", outer_copies=2, configured=with_inner))

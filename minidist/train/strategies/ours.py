@@ -77,7 +77,34 @@ class OursDDP(Strategy):
         return self.model.memory_report(self.optimizer)
 
 
-class OursZero(Strategy):
+class ShardedModelState:
+    """What a strategy whose model is a ShardedDataParallel (self.model) answers from it: the
+    global norm, the whole state_dicts gathered from the shards, loading into them, memory."""
+
+    def clip_grad_norm_(self, max_norm):
+        return self.model.clip_grad_norm_(max_norm)
+
+    def full_state_dict(self):
+        return self.model.full_state_dict(rank0_only=True)
+
+    def optimizer_state_dict(self):
+        return self.model.full_optim_state_dict(rank0_only=True)
+
+    def load_full_state_dict(self, state):
+        self.model.load_full_state_dict(state)
+
+    def load_optimizer_state_dict(self, state):
+        self.model.load_full_optim_state_dict(state)
+
+    def numbered_parameters(self):
+        """As a native optimizer over the module numbers them (full_optim_state_dict's form)."""
+        return self.model.full_param_groups
+
+    def memory_report(self):
+        return self.model.memory_report()
+
+
+class OursZero(ShardedModelState, Strategy):
     """ShardedDataParallel at the spec's ZeRO stage: each rank checkpoints its own shard (loadable
     at any world size). Hybrid specs (hsdp2/hsdp3): the same on a mesh of shard groups of
     `shard_size` ranks (null: one per host); only the first replica writes the shards, the other
@@ -105,22 +132,6 @@ class OursZero(Strategy):
         """How many shard files a checkpoint holds: the shard group's size (the world without a mesh)."""
         return self.model.world_size
 
-    def clip_grad_norm_(self, max_norm):
-        return self.model.clip_grad_norm_(max_norm)
-
-    def full_state_dict(self):
-        return self.model.full_state_dict(rank0_only=True)
-
-    def load_full_state_dict(self, state):
-        self.model.load_full_state_dict(state)
-
-    def load_optimizer_state_dict(self, state):
-        self.model.load_full_optim_state_dict(state)
-
-    def numbered_parameters(self):
-        """As a native optimizer over the module numbers them (full_optim_state_dict's form)."""
-        return self.model.full_param_groups
-
     # -- what checkpoint_layouts.Sharded saves and loads
     def sharded_state_dict(self) -> dict:
         return self.model.sharded_state_dict()  # a collective within the shard group
@@ -137,9 +148,6 @@ class OursZero(Strategy):
     def writes_shard(self) -> bool:
         """The first replica writes the shards; the others hold the same ones."""
         return self.model.mesh is None or self.model.mesh.replica == 0
-
-    def memory_report(self):
-        return self.model.memory_report()
 
 
 # -- the specs: what each strategy is, sends and holds (spec.py says how they are read)

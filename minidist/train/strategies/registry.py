@@ -89,7 +89,8 @@ def spec(name: str, cfg=None) -> StrategySpec:
 
 
 def check_options(cfg) -> StrategySpec:
-    """The spec of cfg.name, after checking every key of the strategy config is one it reads."""
+    """The spec of cfg.name as cfg configures it (StrategySpec.for_options), after checking every key
+    of the strategy config is one it reads and takes its value."""
     s = spec(str(cfg.name), cfg)
     unknown = sorted(set(cfg.keys()) - {"name", "module", *s.options})
     if unknown:
@@ -101,7 +102,7 @@ def check_options(cfg) -> StrategySpec:
             others = [o.name for o in specs() if key in o.options and value in o.choices.get(key, (value,))]
             raise ConfigError(f"strategy.{key}={value!r}: strategy={s.name} takes {' | '.join(map(str, allowed))}"
                               + (f"; {key}={value} is strategy={' or '.join(others)}" if others else ""))
-    return s
+    return s.for_options(cfg)
 
 
 def build_strategy(cfg, ctx, precision: str = "fp32"):

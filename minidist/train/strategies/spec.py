@@ -107,6 +107,9 @@ class StrategySpec:
     # fp32 copies of the model it keeps besides the model state, over its shard group's S ranks
     # (DiLoCo: the outer weights and the outer momentum, 2).
     outer_copies: int = 0
+    # Where an option changes what the strategy sends or holds (DiLoCo's strategy.inner, ZeRO
+    # within a worker): (this spec, the options) -> the spec of the strategy so configured.
+    configured: Callable | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -119,6 +122,11 @@ class StrategySpec:
             raise ValueError(f"StrategySpec {self.name!r}: checked_by parameters | loss")
         if any(c.group != "world" for c in self.collectives) and not self.hybrid:
             raise ValueError(f"StrategySpec {self.name!r}: shard/replica collectives need hybrid=True")
+
+    def for_options(self, options) -> StrategySpec:
+        """This strategy as `options` (its config, or any mapping of its keys) configure it: the spec
+        itself, unless one of them changes its theory (`configured`)."""
+        return self.configured(self, options) if self.configured is not None and options is not None else self
 
     # -- theory
     def group_sizes(self, n: int, shard: int | None) -> dict[str, int] | None:
