@@ -184,7 +184,7 @@ VARIANTS = {f"{s.name}_zeropp": (s.name, ZEROPP) for s in specs("minidist") if "
 def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm_bytes: int = 2,
                    algorithm: str = "ring", units: int = 24, bucket_bytes: float = 25 * 2**20,
                    shard: int | None = None, grad_wire: str | None = None, param_wire: str | None = None,
-                   secondary: bool = False, sync_every: int | None = None) -> dict[str, float]:
+                   secondary: bool = False, sync_every: int | None = None, options=None) -> dict[str, float]:
     """Seconds of communication per optimizer step: "group" (the world's collectives, or the
     shard group's), "replicas" (the all_reduce across replicas) and "total".
 
@@ -194,11 +194,12 @@ def step_comm_time(strategy: str, params: float, hosts: int, c: Cluster, *, comm
     all_reduce becomes the wire's all-to-all (then, for an all_reduce, a ring all_gather) of its
     bytes per element; the parameters' all_gathers are rings of the wire's bytes. `secondary`
     (hpZ, stage 3): the second all_gather runs within each host, at comm_bytes. `sync_every`
-    (DiLoCo's H; None: its YAML's): a per-round collective costs 1/H of itself a step."""
+    (DiLoCo's H; None: its YAML's): a per-round collective costs 1/H of itself a step. `options`:
+    the strategy's own where one changes what it sends (DiLoCo's inner, StrategySpec.for_options)."""
     if strategy not in strategies() + local_sgd_strategies():
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {strategies() + local_sgd_strategies()}")
     H = default_sync_every(strategy) if sync_every is None else int(sync_every)
-    s = spec(strategy)
+    s = spec(strategy).for_options(options)
     G, N = c.per_host, hosts * c.per_host
     S = shard or G
     if s.hybrid and N % S:
@@ -266,9 +267,39 @@ def diloco_crossover(params: float, hosts: int, c: Cluster, compute_s: float, *,
     return low
 
 
-def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None) -> float:
+def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None,
+                         options=None) -> float:
     """Model state per rank (mixed precision + Adam), the ZeRO paper's formulas with K = 12."""
-    return spec(strategy).model_state_bytes(params, hosts * per_host, shard or per_host, precision="mixed")
+    return spec(strategy).for_options(options).model_state_bytes(params, hosts * per_host, shard or per_host,
+                                                                 precision="mixed")
+
+
+def inner_strategies(strategy: str) -> list[str]:
+    """What a DiLoCo strategy's workers may run within themselves (strategy.inner), in its spec's
+    order: replicated first, then the ZeRO stages."""
+    return [i for i in spec(strategy).choices.get("inner", ()) if i is not None]
+
+
+def diloco_worker(strategy: str, params: float, hosts: int, c: Cluster,
+                  state_fraction: float = 0.5) -> tuple[str, int] | None:
+    """(strategy.inner, ranks per worker) for a DiLoCo run: the first inner strategy it takes whose
+    state fits `state_fraction` of a device with one host a worker (ddp, then the ZeRO stages);
+    else ZeRO-3 over the smallest number of hosts that fits, leaving 2 workers at least; None
+    where nothing fits."""
+    N, budget = hosts * c.per_host, state_fraction * c.device_bytes
+    inners = inner_strategies(strategy)
+
+    def fits(inner: str, shard: int) -> bool:
+        return state_bytes_per_rank(strategy, params, hosts, c.per_host, shard, {"inner": inner}) <= budget
+    for inner in inners:
+        if fits(inner, c.per_host):
+            return inner, c.per_host
+    shard, deepest = c.per_host * 2, inners[-1]
+    while shard * 2 <= N and N % shard == 0:
+        if fits(deepest, shard):
+            return deepest, shard
+        shard *= 2
+    return None
 
 
 def evaluate(params: float, units: int, hosts: int, c: Cluster, algorithm: str = "ring",
@@ -328,9 +359,11 @@ DILOCO_RANKS = (64, 1024)
 
 
 def diloco_table_markdown(algorithm: str = "ring") -> str:
-    """Communication per step of DiLoCo at H in DILOCO_H (DDP within each host, the outer all_reduce
-    across hosts), beside its reference (ddp) and the synchronous pick: what rounds of H steps buy
-    on paper. ✗: the model state does not fit half of the device (DiLoCo's: ddp's plus 8 bytes a parameter over the host).
+    """Communication per step of DiLoCo at H in DILOCO_H (the outer all_reduce across workers once a
+    round), beside its reference (ddp) and the synchronous pick: what rounds of H steps buy on
+    paper. Each worker runs the inner strategy diloco_worker picks: DDP within a host where the
+    state fits, else a ZeRO stage within it, else ZeRO-3 over several hosts (its name and worker
+    size in the cell); ✗: nothing fits half of the device (priced as DDP within a host).
     Streaming DiLoCo moves the same bytes a round, a fragment at a time."""
     lines = []
     for name in local_sgd_strategies()[:1]:
@@ -343,14 +376,19 @@ def diloco_table_markdown(algorithm: str = "ring") -> str:
                 for n in DILOCO_RANKS:
                     hosts = n // c.per_host
                     pick, sync = recommend(params, units, hosts, c, algorithm)
-                    fits = state_bytes_per_rank(name, params, hosts, c.per_host) <= 0.5 * c.device_bytes
+                    worker = diloco_worker(name, params, hosts, c)
+                    plain = (inner_strategies(name)[0], c.per_host)  # replicated within a host
+                    inner, shard = worker or plain
+                    note = "" if worker in (None, plain) else \
+                        f" ({inner}" + ("" if shard == c.per_host else f", S={shard}") + ")"
 
                     def cell(t: float, ok: bool) -> str:
                         return f"{t * 1e3:,.0f}" + ("" if ok else " ✗")
                     cells = [cell(sync[reference]["total"], sync[reference]["fits"]),
                              f"{pick} {sync[pick]['total'] * 1e3:,.0f}" if pick else "-"]
                     cells += [cell(step_comm_time(name, params, hosts, c, algorithm=algorithm, units=units,
-                                                  sync_every=h)["total"], fits) for h in DILOCO_H]
+                                                  sync_every=h, shard=shard, options={"inner": inner})["total"],
+                                   worker is not None) + note for h in DILOCO_H]
                     lines.append(f"| {cname} | {mname} | {n:,} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -236,9 +236,12 @@ def render(img: Path = IMG) -> str:
         "",
         "`strategy=diloco` is another algorithm (workers train apart, an outer optimizer averages their "
         "progress every H steps), so the tables above leave it out: it does not compute the same step. Priced "
-        "as it runs with `strategy.inner=ddp`, DDP within each host every step and the outer all_reduce of "
-        "each rank's 1/G across hosts (then an all_gather in the host) once per round, in ms of communication "
-        "per step, ring all_reduce, bf16:",
+        "as a worker's ranks train together every step — `strategy.inner=ddp` within a host where its state "
+        "fits, else a ZeRO stage within the host, else `zero3` over the fewest hosts that fit, leaving two "
+        "workers at least (`minidist.costmodel.diloco_worker`; the cell names it where it is not ddp in a "
+        "host) — and the outer all_reduce of each rank's 1/S across the workers (then, below stage 3, an "
+        "all_gather in the worker) once per round, in ms of communication per step, ring all_reduce, bf16; "
+        "✗: nothing fits half of the device:",
         "",
         costmodel.diloco_table_markdown("ring"),
         "What it is worth in time to a loss depends on the compute per step and on how many more tokens "

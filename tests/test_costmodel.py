@@ -103,3 +103,24 @@ def test_wires_are_priced_by_their_bytes_and_the_all_to_all_by_what_leaves_each_
     predicted = costmodel.predict_measured(m)
     assert predicted["zero3_zeropp"] == pytest.approx(zeropp["total"])
     assert predicted["zero3_zeropp"] < predicted["zero3"] / 4
+
+
+def test_diloco_pays_its_outer_step_once_a_round_and_zero_within_a_worker_as_hsdp_within_a_host():
+    hosts, params = 16, 1e9
+    h8, h16 = (costmodel.step_comm_time("diloco", params, hosts, C, sync_every=h, units=24) for h in (8, 16))
+    assert h8["replicas"] == pytest.approx(2 * h16["replicas"]) and h8["replicas"] > 0
+    # ZeRO-3 in each worker (a host): hsdp3's collectives within the host every step, its all_reduce
+    # across the hosts 1/H of the steps; ZeRO-3's next forward gathers the written shards, no gather more
+    zero = costmodel.step_comm_time("diloco", params, hosts, C, sync_every=8, units=24, options={"inner": "zero3"})
+    hsdp = costmodel.step_comm_time("hsdp3", params, hosts, C, units=24)
+    assert zero["group"] == pytest.approx(hsdp["group"]) and zero["replicas"] == pytest.approx(hsdp["replicas"] / 8)
+    assert costmodel.state_bytes_per_rank("diloco", params, hosts, 8, options={"inner": "zero3"}) == \
+        pytest.approx((16 + 8) * params / 8)  # hsdp3's state and the outer weights and momentum, over the host
+
+
+def test_diloco_workers_run_the_first_inner_strategy_that_fits():
+    ib = costmodel.CLUSTERS["ib"]
+    assert costmodel.diloco_worker("diloco", 1e9, 8, ib) == ("ddp", ib.per_host)
+    # 70B: (16 + 8) x 70e9 / S <= 40 GB takes S = 64 ranks, 8 hosts; at 64 ranks that leaves 1 worker: none
+    assert costmodel.diloco_worker("diloco", 70e9, 128, ib) == ("zero3", 64)
+    assert costmodel.diloco_worker("diloco", 70e9, 8, ib) is None
