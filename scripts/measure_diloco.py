@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from doc_pipeline import provenance, record
 
-    from minidist.comm.wire import QUANT_BLOCK, Wire
+    from minidist.comm.wire import QUANT_BLOCK
     from minidist.train.strategies import spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,13 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                          "model_state_bytes": s["memory/model_state_bytes"], "parameters": s["parameters"],
                          "world_size": s["config"]["world_size"]})
     psi, n = runs[0]["parameters"], runs[0]["world_size"]
-    int8 = Wire("int8", block=QUANT_BLOCK).chunk_bytes(QUANT_BLOCK) / QUANT_BLOCK  # bytes an element, scales in
 
-    def theory_of(r: dict) -> float:  # each rank a worker: shard groups of 1
+    def theory_of(r: dict) -> float:  # each rank a worker: shard groups of 1; the wire its options set
         s = spec(r["overrides"][0].split("=")[1])
-        element = int8 if "strategy.outer_wire=int8" in r["overrides"] else 4
-        return sum(s.wire_bytes(psi, n, shard=1 if s.hybrid else None, element_bytes=element,
-                                sync_every=r["sync_every"]).values())
+        options = dict(o.removeprefix("strategy.").split("=", 1) for o in r["overrides"][1:])
+        return sum(s.wire_bytes(psi, n, shard=1 if s.hybrid else None, sync_every=r["sync_every"],
+                                options={**options, "quant_block": QUANT_BLOCK}).values())
     theory = {r["variant"]: theory_of(r) for r in runs}
     command = "python scripts/measure_diloco.py" + ("" if a.steps == 400 else f" --steps {a.steps}") + \
         ("" if tuple(a.sync_every) == DEFAULT_H else f" --sync-every {' '.join(map(str, a.sync_every))}")

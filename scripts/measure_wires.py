@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from doc_pipeline import provenance, record
 
-    from minidist.comm.wire import QUANT_BLOCK, Wire
+    from minidist.comm.wire import QUANT_BLOCK
     from minidist.train.strategies import spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,9 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                        and k != "comm/bytes_per_step"},
                              "parameters": s["parameters"], "world_size": s["config"]["world_size"]})
     psi, n = runs[0]["parameters"], runs[0]["world_size"]
-    int8 = Wire("int8", block=QUANT_BLOCK)
-    theory = {"plain": spec("zero3").wire_bytes(psi, n),
-              "int8": spec("zero3").wire_bytes(psi, n, element_bytes=int8.chunk_bytes(QUANT_BLOCK) / QUANT_BLOCK)}
+    int8 = {"grad_wire": "int8", "param_wire": "int8", "quant_block": QUANT_BLOCK}
+    theory = {"plain": spec("zero3").wire_bytes(psi, n), "int8": spec("zero3").wire_bytes(psi, n, options=int8)}
     command = "python scripts/measure_wires.py" + ("" if a.steps == [200, 400] else f" --steps {' '.join(map(str, a.steps))}")
     record(Path(a.out), {"model": "gpt_nano", "strategy": "zero3", "quant_block": QUANT_BLOCK, "theory": theory,
                          "runs": runs}, provenance(command, torch.__version__))

@@ -270,12 +270,20 @@ def test_variant_checks(override, message):
 
 def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
     from minidist.compare.report import reference_of
-    from minidist.compare.variants import base_of, compressed, wire_factors
+    from minidist.compare.variants import base_of, compressed
+    from minidist.train.strategies import spec
 
     variants = {"zero3_int8": {"of": "zero3", "grad_wire": "int8"}}
     assert base_of("zero3_int8", variants) == "zero3" and base_of("ddp", variants) == "ddp"
     assert reference_of("zero3_int8", ["zero3_int8", "zero3", "native_fsdp"], {}, variants) == "zero3"  # its twin
     assert reference_of("zero3_int8", ["zero3_int8", "native_fsdp"], {}, variants) == "native_fsdp"  # zero3's
     assert compressed({"grad_wire": "int8"}) and not compressed({"grad_wire": None, "comm_hook": "bf16"})
-    factors = wire_factors({"grad_wire": "int8", "param_wire": "bf16", "quant_block": 256})
-    assert factors["reduce_scatter"] == pytest.approx((1 + 4 / 256) / 4) and factors["all_gather"] == 0.5
+    # the theory prices each collective at its wire's bytes: int8 with a 4-byte scale per block, bf16 half of fp32
+    plain = spec("zero3").wire_bytes(4096, 4)
+    wired = spec("zero3").wire_bytes(4096, 4, options={"grad_wire": "int8", "param_wire": "bf16", "quant_block": 256})
+    assert wired["reduce_scatter"] / plain["reduce_scatter"] == pytest.approx((1 + 4 / 256) / 4)
+    assert wired["all_gather"] / plain["all_gather"] == 0.5
+    # DiLoCo, each rank a worker: its outer all_reduce travels as outer_wire
+    outer = spec("diloco").wire_bytes(4096, 4, shard=1, options={"outer_wire": "int8", "quant_block": 256})
+    assert outer["all_reduce"] / spec("diloco").wire_bytes(4096, 4, shard=1)["all_reduce"] == \
+        pytest.approx((1 + 4 / 256) / 4)

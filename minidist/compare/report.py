@@ -22,7 +22,7 @@ import torch
 
 from minidist.benchmarking import bootstrap_median_ci
 from minidist.compare.theory import theoretical_bytes
-from minidist.compare.variants import base_of, compressed, wire_factors
+from minidist.compare.variants import base_of, compressed
 from minidist.train.strategies import reference_for, spec
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -90,7 +90,6 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         hidden = [t["hidden_fraction"] for t in ranks.values() if t["hidden_fraction"] is not None]
         state = max(memory, key=lambda m: m["model_state"].get("total", 0))["model_state"]
         lossy = compressed(opts) or s.checked_by == "loss"  # rounded wires, or another algorithm (DiLoCo)
-        factors = wire_factors(opts)
         theory = theoretical_bytes(base_of(name, variants), psi, n, shard=shard,
                                    sync_every=int(opts.get("sync_every") or 1), options=opts)
         rows[name] = {
@@ -109,7 +108,7 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             "peak_bytes": max(m["peak_bytes"] for m in memory),
             "bytes_per_step": measured,
             "bytes_averaged_over_steps": len(timed) if timed else None,
-            "theory_bytes_per_step": {op: b * factors[op] for op, b in theory.items()},
+            "theory_bytes_per_step": theory,  # each collective at its wire's bytes (the spec's)
         }
     for name, row in rows.items():
         ref = row["reference"]

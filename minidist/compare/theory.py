@@ -30,6 +30,7 @@ def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4,
     """Ring-model bytes sent per rank per optimizer step, per op ({} for one rank, or n == 1).
     Hybrid strategies need `shard`, the size S of their shard groups ({} without it); DiLoCo's
     outer collectives are averaged over their round of `sync_every` steps. `options`: the
-    strategy's config, where an option changes what it sends (DiLoCo's strategy.inner)."""
+    strategy's config, where an option changes what it sends (DiLoCo's strategy.inner) or what
+    it sends it as (grad_wire, param_wire, outer_wire)."""
     return spec(strategy).for_options(options).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes,
-                                                          sync_every=sync_every)
+                                                          sync_every=sync_every, options=options)

@@ -7,16 +7,14 @@ A variant runs as one more strategy: `of` says which (its spec, its YAML's defau
 overrides its options. Its reference is its `of` when that runs too (the uncompressed twin),
 else the reference `of` would have.
 
-A run that sends a compressed wire (grad_wire or param_wire set) cannot end with its
+A run that sends a compressed wire (grad_wire, param_wire or outer_wire set) cannot end with its
 reference's parameters: every step rounds what travels. It is checked by the loss instead:
 its final training loss within compare.loss_tolerance (relative) of its reference's.
 """
 
 from __future__ import annotations
 
-from minidist.comm.wire import QUANT_BLOCK, Wire
-
-WIRE_OPTIONS = ("grad_wire", "param_wire")
+WIRE_OPTIONS = ("grad_wire", "param_wire", "outer_wire")
 
 
 def base_of(name: str, variants) -> str:
@@ -32,15 +30,3 @@ def variant_options(name: str, variants) -> dict:
 def compressed(options) -> bool:
     """Does a run with these strategy options round what it sends (a wire format set)?"""
     return any(options.get(k) is not None for k in WIRE_OPTIONS)
-
-
-def wire_factors(options) -> dict[str, float]:
-    """Per op, the bytes its wire sends over the 4 of fp32 (1 where nothing changes)."""
-    block = int(options.get("quant_block") or QUANT_BLOCK)
-
-    def factor(key: str) -> float:
-        wire = options.get(key)
-        return 1.0 if wire is None else Wire(str(wire), block=block).chunk_bytes(block) / block / 4
-
-    grad, param = factor("grad_wire"), factor("param_wire")
-    return {"reduce_scatter": grad, "all_reduce": grad, "all_gather": param, "broadcast": 1.0}

@@ -202,8 +202,8 @@ def diloco_strategy(cfg, ctx, compute_dtype=None) -> DiLoCoStrategy:
 # The outer all_reduce: each rank's 1/S of the model across the workers, then the worker's ranks
 # gather the updated slices; both once per round of sync_every steps. The inner DDP's all_reduce
 # within a worker runs every step (nothing at S = 1, one rank per worker).
-OUTER_ALL_REDUCE = Collective("all_reduce", group="replicas", payload="shard", per_round=True)
-LOCAL_SGD = (Collective("all_reduce", group="shard"), OUTER_ALL_REDUCE,
+OUTER_ALL_REDUCE = Collective("all_reduce", group="replicas", payload="shard", per_round=True, wire="outer_wire")
+LOCAL_SGD = (Collective("all_reduce", group="shard", wire="grad_wire"), OUTER_ALL_REDUCE,
              Collective("all_gather", group="shard", per_round=True))
 
 
@@ -215,7 +215,7 @@ def with_inner(s: StrategySpec, options) -> StrategySpec:
     stage = ZERO_INNER.get(options.get("inner"))
     if stage is None:
         return s
-    inner = tuple(Collective(c.op, "shard", c.payload, c.count) for c in (ZERO3 if stage == 3 else ZERO12))
+    inner = tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire) for c in (ZERO3 if stage == 3 else ZERO12))
     regather = () if stage == 3 else (Collective("all_gather", group="shard", per_round=True),)
     return dataclasses.replace(s, zero_stage=stage, messages="units" if stage == 3 else "buckets",
                                collectives=inner + (OUTER_ALL_REDUCE,) + regather, flat_optimizer_shards=True)

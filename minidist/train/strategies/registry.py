@@ -121,6 +121,7 @@ def reference_for(name: str, present: list[str], overrides: dict | None = None) 
     """What `name` is checked against in a comparison of `present`: compare.references[name] when
     given, else its spec's reference; when that one is absent, the stand-in for a minidist
     strategy; None when neither is present."""
+    _load_families()  # (asked first, the registry would not know the shipped strategies yet)
     preferred = (overrides or {}).get(name) or (spec(name).reference if name in _SPECS else None)
     if preferred in present and preferred != name:
         return preferred

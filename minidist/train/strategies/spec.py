@@ -12,7 +12,9 @@ bound and the cost model (costmodel.py) all price a strategy the same way:
 - `collectives`: what one optimizer step sends. Each entry is an op over a group of ranks
   (the world; the shard group of S ranks; the replicas, R = n / S, one rank of each shard
   group) carrying the whole model or one shard group's 1/S of it, `count` times; a `per_round`
-  one once every strategy.sync_every steps (DiLoCo's outer step), so 1/H of it a step.
+  one once every strategy.sync_every steps (DiLoCo's outer step), so 1/H of it a step; its
+  `wire`, the strategy option that says what it travels as (grad_wire, param_wire, outer_wire:
+  minidist.comm.wire's formats), priced by the bytes that format sends an element.
 - `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
   1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minidist import comm
+from minidist.comm.wire import QUANT_BLOCK, Wire
 
 KINDS = ("minidist", "native", "deepspeed")
 CHECKPOINTS = ("full", "sharded", "deepspeed", "dcp", "workers")
@@ -45,14 +48,16 @@ SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
 @dataclass(frozen=True)
 class Collective:
     """One collective a step performs: `op` over `group`, carrying `payload` ("model": all Ψ
-    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step; `per_round`: once per round
-    of strategy.sync_every (H) steps instead."""
+    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step; `per_round`:
+    once per round of strategy.sync_every (H) steps instead; `wire`: the option naming the format
+    it travels as, where one does (None: the element size it is priced at)."""
 
     op: str
     group: str = "world"
     payload: str = "model"
     count: int = 1
     per_round: bool = False
+    wire: str | None = None
 
     def __post_init__(self):
         if self.op not in OPS or self.group not in GROUPS or self.payload not in ("model", "shard"):
@@ -61,17 +66,18 @@ class Collective:
 
 
 # The patterns the families share: DDP's all_reduce; ZeRO-1/2's reduce_scatter + all_gather;
-# ZeRO-3's, whose parameters are gathered twice (for forward and for backward).
-ALL_REDUCE = (Collective("all_reduce"),)
-ZERO12 = (Collective("reduce_scatter"), Collective("all_gather"))
-ZERO3 = (Collective("reduce_scatter"), Collective("all_gather", count=2))
+# ZeRO-3's, whose parameters are gathered twice (for forward and for backward). Gradients travel
+# as strategy.grad_wire, gathered parameters as strategy.param_wire, where a strategy takes them.
+ALL_REDUCE = (Collective("all_reduce", wire="grad_wire"),)
+ZERO12 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", wire="param_wire"))
+ZERO3 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", count=2, wire="param_wire"))
 
 
 def in_shard_groups(collectives: tuple[Collective, ...]) -> tuple[Collective, ...]:
     """`collectives` within each shard group, then each rank's 1/S all_reduced across the replicas:
     the hybrid form of a pattern (HSDP, the two-level all_reduce)."""
-    return tuple(Collective(c.op, "shard", c.payload, c.count) for c in collectives) + \
-        (Collective("all_reduce", group="replicas", payload="shard"),)
+    return tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire) for c in collectives) + \
+        (Collective("all_reduce", group="replicas", payload="shard", wire="grad_wire"),)
 
 
 @dataclass(frozen=True)
@@ -148,18 +154,20 @@ class StrategySpec:
             raise ValueError(f"StrategySpec {self.name!r}: an op on two groups; a trace cannot tell them apart")
         return ops
 
-    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: int = 4,
-                   sync_every: int = 1) -> dict[str, float]:
+    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: float = 4,
+                   sync_every: int = 1, options=None) -> dict[str, float]:
         """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
         hybrid strategy without `shard`, the size S of its shard groups); the per-round
-        collectives averaged over their round of `sync_every` steps."""
+        collectives averaged over their round of `sync_every` steps. `options` (the strategy's
+        config): a collective whose wire option it sets is priced at that format's bytes an
+        element (quant_block's scales included), the others at `element_bytes`."""
         sizes = self.group_sizes(n, shard)
         if n <= 1 or sizes is None:
             return {}
         out: dict[str, float] = {}
         for c in self.collectives:
             g = sizes[c.group]
-            m = psi * element_bytes / (shard if c.payload == "shard" else 1)
+            m = psi * wire_element_bytes(c.wire, options, element_bytes) / (shard if c.payload == "shard" else 1)
             sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
             if sent:
                 out[c.op] = out.get(c.op, 0.0) + c.count * sent / (sync_every if c.per_round else 1)
@@ -175,3 +183,13 @@ class StrategySpec:
         outer = 4 * self.outer_copies * psi / ((shard or 1) if self.hybrid else 1)
         return outer + sum(b * psi / (over if self.sharded_over(part) else 1)
                            for part, b in STATE_BYTES[precision].items())
+
+
+def wire_element_bytes(wire: str | None, options, default: float) -> float:
+    """Bytes an element of a collective travelling as option `wire` sends under `options` (an
+    int8 wire's block scales included); `default` where the option is absent or null."""
+    name = (options or {}).get(wire) if wire is not None else None
+    if name is None:
+        return default
+    block = int((options or {}).get("quant_block") or QUANT_BLOCK)
+    return Wire(str(name), block=block).chunk_bytes(block) / block
