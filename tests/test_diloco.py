@@ -343,6 +343,9 @@ def test_zero_within_the_worker_resumes_exactly_and_under_ddp(ranks, tmp_path):
 
     pending = [f["pending"] for f in load_tensors(ckpt / "outer.pt")["fragments"]]
     assert pending[0] is not None and pending[0]["apply_at"] == 10 and pending[1:] == [None] * 3
+    from minidist.train.checkpoint import describe
+
+    assert "2 worker file(s) (strategy.inner=zero3)" in describe(ckpt) and "worker w mod 2" in describe(ckpt)
     resumed = pool.run(states_on_rank, tiny(*opts, "strategy.inner=zero3", strategy="diloco_streaming"),
                        str(tmp_path / "split"), str(ckpt), timeout_s=240)
     as_ddp = pool.run(states_on_rank, tiny(*opts, "strategy.inner=ddp", strategy="diloco_streaming"),

@@ -310,7 +310,10 @@ class Workers(Collected):
         return self.consolidate(ckpt, meta), named_optimizer_state(optim, names)
 
     def describe(self, meta: dict) -> str:
-        return f"DiLoCo's: {Sharded.shards(meta)} worker file(s) and the outer state ({OUTER})"
+        inner = ((meta.get("config") or {}).get("strategy") or {}).get("inner")
+        return (f"DiLoCo's: {Sharded.shards(meta)} worker file(s)" + (f" (strategy.inner={inner})" if inner else "")
+                + f" and the outer state ({OUTER}); at another number of workers, worker w resumes as saved "
+                f"worker w mod {Sharded.shards(meta)}")
 
 
 def fragment_names(trained: list[str], fragments) -> list[list[str]]:
