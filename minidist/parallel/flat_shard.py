@@ -126,13 +126,13 @@ class FlatShard:
     def owned_grad(self, k: int) -> torch.Tensor | None:
         """This rank's part of slot k's gradient (a view into its group's piece), or None where
         this rank owns none of the parameter or the piece has no gradient."""
-        slot, g = self.slots[k], self.groups[k]
-        lo, hi = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
+        g = self.groups[k]
+        a, b = self.owned_range(k, self.rank)
         grad = self.pieces[g].grad
-        if lo >= hi or grad is None:
+        if a == b or grad is None:
             return None
-        start = lo - self.lo - self.piece_bounds[g][0]
-        return grad[start:start + hi - lo]
+        start = self.slots[k].offset + a - self.lo - self.piece_bounds[g][0]
+        return grad[start:start + b - a]
 
     def take_grad(self) -> torch.Tensor | None:
         """The pieces' gradient as one shard-sized copy (None if they have none); clears them."""
@@ -187,10 +187,8 @@ class FlatShard:
     def owned_master(self, k: int) -> torch.Tensor:
         """This rank's part of slot k's parameter in the master shard: a 1-D fp32 view (writable)."""
         a, b = self.owned_range(k, self.rank)
-        if a == b:
-            return self.master[:0]
-        start = self.slots[k].offset + a - self.lo
-        return self.master[start:start + b - a]
+        at = self.slots[k].offset - self.lo  # where the parameter starts, relative to this rank's slice
+        return self.master[at + a:at + b] if a < b else self.master[:0]
 
     # ----------------------------------------------------------------- checkpoint pieces
 
@@ -200,23 +198,23 @@ class FlatShard:
         `flat_values` is shard-sized (the master, or an optimizer state of the same shape).
         """
         pieces = {}
-        for slot in self.slots:
-            a, b = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
+        for k, slot in enumerate(self.slots):
+            a, b = self.owned_range(k, self.rank)
             if a < b:
-                pieces[slot.name] = (a - slot.offset, flat_values[a - self.lo:b - self.lo].detach().clone().cpu())
+                at = slot.offset - self.lo  # where the parameter starts, relative to this rank's slice
+                pieces[slot.name] = (a, flat_values[at + a:at + b].detach().clone().cpu())
         return pieces
 
     def fill_from_pieces(self, target: torch.Tensor, pieces: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
         """Write this rank's slice of `target` (shard-sized) from per-parameter pieces of any layout."""
         with torch.no_grad():
             target.zero_()
-            for slot in self.slots:
-                a, b = max(slot.offset, self.lo), min(slot.offset + slot.numel, self.hi)
-                if a >= b:
+            for k, slot in enumerate(self.slots):
+                want_lo, want_hi = self.owned_range(k, self.rank)  # range within the parameter
+                if want_lo >= want_hi:
                     continue
                 if slot.name not in pieces:
                     raise KeyError(f"checkpoint has no values for parameter {slot.name!r}")
-                want_lo, want_hi = a - slot.offset, b - slot.offset  # range within the parameter
                 covered = 0
                 for start, values in pieces[slot.name]:
                     lo, hi = max(want_lo, start), min(want_hi, start + values.numel())

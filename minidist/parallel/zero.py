@@ -252,8 +252,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         # Once the parameters are views into the flat shards (their compute dtype): after each synced
         # backward .grad refuses to be read (sharded_grad.py), and model.state_dict() /
         # load_state_dict() behave as with native DDP (module_state.py).
-        slot_of = {id(p): (shard, k) for shard in self._shards for k, p in enumerate(shard.params)}
-        self._slot_of = [slot_of[id(p)] for p in self._params]
+        self._slot_by_id = {id(p): (shard, k) for shard in self._shards for k, p in enumerate(shard.params)}
+        self._slot_of = [self._slot_by_id[id(p)] for p in self._params]
         self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage, self._owned_grad,
                                                        self.process_group, joined=lambda: self._join is not None)
         ModuleStateHooks(self)
@@ -349,13 +349,13 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """This rank's part of parameter `p` (flattened) in its fp32 master shard: a 1-D view,
         empty where this rank owns none of it. Write it only between `wait_for_parameters()` and
         `refresh_parameters()`."""
-        shard, k = self._slot_of[self._index_of(p)]
+        shard, k = self._slot_for(p)
         return shard.owned_master(k)
 
     def master_owners(self, p: nn.Parameter) -> list[tuple[int, int]]:
         """For each rank of the shard group, the [start, end) of `p` (flattened) its master shard
         holds (start == end: none); master_view(p) is this rank's."""
-        shard, k = self._slot_of[self._index_of(p)]
+        shard, k = self._slot_for(p)
         return [shard.owned_range(k, r) for r in range(self.world_size)]
 
     def refresh_parameters(self) -> None:
@@ -363,11 +363,10 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         follow them, as after a step (stages 1-2 gather them again, stage 3's next forward does)."""
         self._after_optimizer_step()
 
-    def _index_of(self, p: nn.Parameter) -> int:
-        for i, q in enumerate(self._params):
-            if q is p:
-                return i
-        raise ValueError("ShardedDataParallel: that parameter is not one of the wrapped module's trained ones")
+    def _slot_for(self, p: nn.Parameter) -> tuple[FlatShard, int]:
+        if id(p) not in self._slot_by_id:
+            raise ValueError("ShardedDataParallel: that parameter is not one of the wrapped module's trained ones")
+        return self._slot_by_id[id(p)]
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """The complete, unsharded state_dict of the wrapped module (same keys), fp32 parameters.
