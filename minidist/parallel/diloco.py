@@ -117,9 +117,7 @@ class DiLoCo:
         self.wire = as_wire(wire)
         if sharded_by is not None and worker_group not in (None, sharded_by.process_group):
             raise ValueError("DiLoCo: worker_group must be sharded_by's process group (or left out)")
-        self.sharded_by = sharded_by
-        self.worker_group = sharded_by.process_group if sharded_by is not None else worker_group
-        self.across_group = across_group
+        self.sharded_by, self.across_group = sharded_by, across_group
         self.workers = group_size(across_group) if across_group is not None else 1
         self.total_steps = total_steps
         self.step = 0  # inner steps taken

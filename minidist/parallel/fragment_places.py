@@ -31,7 +31,6 @@ def group_rank(group) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-
 class Replicated:
     """Where a fragment's values live when every rank of the worker holds its whole parameters
     (one rank, or DDP within the worker): rank s of S owns slice s of the flat fragment, padded to

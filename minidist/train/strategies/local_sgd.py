@@ -139,8 +139,9 @@ class DiLoCoStrategy(Strategy):
                 "optimizer": self.optimizer.state_dict()}
 
     def load_worker_state(self, state: dict) -> None:
-        self.net.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """What worker_state saved, into this worker (each rank of a ZeRO worker keeps its slices)."""
+        self.load_full_state_dict(state["model"])
+        self.load_optimizer_state_dict(state["optimizer"])
 
     def memory_report(self):
         return with_outer_state(super().memory_report(), self.outer)
@@ -177,10 +178,6 @@ class DiLoCoOverZero(ShardedModelState, DiLoCoStrategy):
         if self.worker_rank != 0:
             return {}
         return {"model": {k: v.detach().cpu() for k, v in model.items()}, "optimizer": optim}
-
-    def load_worker_state(self, state: dict) -> None:
-        self.load_full_state_dict(state["model"])
-        self.load_optimizer_state_dict(state["optimizer"])
 
     def memory_report(self):
         return with_outer_state(self.model.memory_report(), self.outer)
