@@ -18,7 +18,9 @@ Collectives, alpha-beta model, on a group of n ranks moving M bytes:
 
 where (a, b) is the slowest link a step crosses. A group within one host: (intra_lat,
 intra_bw). A group spanning hosts, laid out host by host (a flat ring over the world): each
-step sends one M/n message out of each host, so (inter_lat, inter_bw). A replicate group
+step sends one M/n message out of each host, so (inter_lat, inter_bw); where the two levels
+share the ranks' cores (Cluster.levels_in_series, the emulated hosts) the step's hop within
+the host adds its transfer time, the bandwidths in series. A replicate group
 (one rank per host, stride G): every step crosses hosts, and the G replicate groups of a
 mesh run at once, sharing each host's network: (inter_lat, inter_bw / G). Each step is
 paid per message, so a step split into k buckets or units pays k latencies per step.
@@ -100,6 +102,18 @@ class Cluster:
     # value; 0: free, as on a GPU, where it is a few elementwise kernels at memory bandwidth).
     # On CPUs the ranks' cores do it: scripts/bench_mesh.py measures it as it measures the links.
     codec_s: float = 0.0
+    # A ring over hosts crosses both levels every step. On a GPU cluster NVLink and the NICs move
+    # data at once, so a step takes its slowest link's time (False). On the emulated hosts of
+    # scripts/validate_sim.sh both levels are copies by the same few CPU cores, and a step's hop
+    # within the host adds to its hop across hosts (True): their bandwidths in series.
+    levels_in_series: bool = False
+
+    @classmethod
+    def calibrated(cls, m: dict) -> "Cluster":
+        """The emulated hosts scripts/bench_mesh.py measured (its JSON's fields); their levels
+        share the ranks' cores, so in series."""
+        return cls(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"], inter_bw=m["inter_bw"],
+                   inter_lat=m["inter_lat"], codec_s=m.get("codec_s", 0.0), levels_in_series=True)
 
 
 # Two clusters to tabulate: 8 GPUs a host on NVLink (about 200 GB/s each way per GPU), linked
@@ -137,8 +151,13 @@ def tree_all_reduce_time(n: int, nbytes: float, link: Link, messages: int = 1) -
 
 def ring_link(c: Cluster, ranks: int) -> Link:
     """The bottleneck of a ring over `ranks` contiguous ranks: within a host, or across hosts
-    (laid out host by host: one message out of each host per step)."""
-    return Link(c.intra_lat, c.intra_bw) if ranks <= c.per_host else Link(c.inter_lat, c.inter_bw)
+    (laid out host by host: one message out of each host per step; with the levels in series,
+    each step's hop within the host adds its transfer time)."""
+    if ranks <= c.per_host:
+        return Link(c.intra_lat, c.intra_bw)
+    if c.levels_in_series:
+        return Link(c.inter_lat, 1 / (1 / c.inter_bw + 1 / c.intra_bw))
+    return Link(c.inter_lat, c.inter_bw)
 
 
 def replicas_link(c: Cluster) -> Link:
@@ -431,11 +450,12 @@ def plot(path: str, algorithm: str = "ring") -> None:
 
 # --------------------------------------------------------------------------- validation
 
-def predict_measured(m: dict) -> dict[str, float]:
+def predict_measured(m: dict, levels_in_series: bool = True) -> dict[str, float]:
     """Predictions for what scripts/validate_sim.sh measured: `m` holds the cluster it calibrated
-    (hosts, per_host, intra/inter bandwidth and latency) and the payload; fp32 bytes, ring."""
-    c = Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
-                inter_bw=m["inter_bw"], inter_lat=m["inter_lat"], codec_s=m.get("codec_s", 0.0))
+    (hosts, per_host, intra/inter bandwidth and latency) and the payload; fp32 bytes, ring.
+    `levels_in_series=False` prices it with a GPU cluster's rule instead (the levels at once)."""
+    c = replace(Cluster.calibrated(m), levels_in_series=levels_in_series)
+
     def priced(name: str) -> float:
         strategy, wires = VARIANTS.get(name, (name, {}))
         return step_comm_time(strategy, m["params"], m["hosts"], c, comm_bytes=4, algorithm="ring",

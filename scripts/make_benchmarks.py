@@ -586,8 +586,7 @@ def zeropp_prediction(r: dict, med: dict[str, float]) -> str:
     if not calibrated.is_file() or not WIRES.is_file():
         return ""
     m = load_record(calibrated)["results"]
-    c = costmodel.Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
-                          inter_bw=m["inter_bw"], inter_lat=m["inter_lat"], codec_s=m.get("codec_s", 0.0))
+    c = costmodel.Cluster.calibrated(m)
     psi = load_record(WIRES)["results"]["runs"][0]["parameters"]  # gpt_nano's, as trained here
     units = int(OmegaConf.load(ROOT / "configs" / "model" / "gpt_nano.yaml").n_layer) + 1  # blocks + the root
     strategy, wires = costmodel.VARIANTS["zero3_zeropp"]

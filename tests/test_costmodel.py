@@ -81,6 +81,24 @@ def test_command_line(capsys):
     assert "| 16,384 |" in capsys.readouterr().out
 
 
+def test_levels_in_series_add_a_world_rings_hop_within_the_host_and_nothing_else():
+    at_once = Cluster(per_host=2, intra_bw=4e6, intra_lat=0.0, inter_bw=1e6, inter_lat=0.0)
+    series = replace(at_once, levels_in_series=True)
+    psi = 1e6
+    # ddp over 2 hosts x 2: 2 x 3 steps of psi/4 x 4 bytes; in series each step also pays its hop in the host
+    assert costmodel.step_comm_time("ddp", psi, 2, at_once, comm_bytes=4)["total"] == pytest.approx(6 * psi / 1e6)
+    assert costmodel.step_comm_time("ddp", psi, 2, series, comm_bytes=4)["total"] == pytest.approx(
+        6 * psi * (1 / 1e6 + 1 / 4e6))
+    # rings within a host and the replicas' rings (one rank per host) cross one level: unchanged
+    for strategy in ("ddp_hierarchical", "hsdp3"):
+        assert costmodel.step_comm_time(strategy, psi, 2, series, units=1)["total"] == pytest.approx(
+            costmodel.step_comm_time(strategy, psi, 2, at_once, units=1)["total"])
+    # what scripts/bench_mesh.py calibrates is priced in series; the tabulated GPU clusters are not
+    assert Cluster.calibrated({"per_host": 2, "intra_bw": 4e6, "intra_lat": 0.0, "inter_bw": 1e6,
+                               "inter_lat": 0.0}) == replace(series, codec_s=0.0)
+    assert not any(c.levels_in_series for c in costmodel.CLUSTERS.values())
+
+
 def test_wires_are_priced_by_their_bytes_and_the_all_to_all_by_what_leaves_each_host():
     two_by_two = Cluster(per_host=2, intra_bw=1e12, intra_lat=0.0, inter_bw=1e6, inter_lat=0.0)
     psi = 1e6

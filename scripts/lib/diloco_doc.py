@@ -170,8 +170,7 @@ def crossover_lines(r: dict) -> list[str]:
     if not calibrated.is_file() or not QUALITY.is_file():
         return []
     m = load_record(calibrated)["results"]
-    c = costmodel.Cluster(per_host=m["per_host"], intra_bw=m["intra_bw"], intra_lat=m["intra_lat"],
-                          inter_bw=m["inter_bw"], inter_lat=m["inter_lat"], codec_s=m.get("codec_s", 0.0))
+    c = costmodel.Cluster.calibrated(m)
     psi = load_record(QUALITY)["results"]["runs"][0]["parameters"]
     fastest = max(r["rates"], key=rate_mbit)
     runs = r["rates"][fastest]
