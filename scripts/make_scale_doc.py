@@ -140,8 +140,9 @@ def validation_section() -> list[str]:
     slower = all(x > 0 for x in flat)
     # The same runs priced as if the two levels moved data at once (a GPU cluster's rule):
     # what pricing a world ring's hops within the hosts in series changes.
-    at_once = [-e for r, m in runs.items() for s, e in costmodel.prediction_errors(
-        m, costmodel.predict_measured(m, levels_in_series=False)).items() if s in ("ddp", "zero3")]
+    errs_at_once = {r: costmodel.prediction_errors(m, costmodel.predict_measured(m, levels_in_series=False))
+                    for r, m in runs.items()}
+    at_once = [-errs_at_once[r][s] for r in have for s in ("ddp", "zero3") if s in errs_at_once[r]]
     measured = detailed["measured"]
     ranking_holds = [r for r, m in runs.items() if sorted(m["measured"], key=m["measured"].get)
                      == sorted(m["measured"], key=costmodel.predict_measured(m).get)]

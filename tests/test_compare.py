@@ -170,6 +170,24 @@ def test_interval_arithmetic():
     assert subtract([(0, 5)], [(1, 2), (3, 4)]) == [(0, 1), (2, 3), (4, 5)]
 
 
+def test_memory_table_shows_every_part_a_row_holds():
+    from minidist.compare.report import memory_table
+
+    mib = 2**20
+    rows = {"zero3": {"strategy": "zero3", "peak_bytes": 20 * mib, "model_state_bytes": {
+                "parameters": 0, "master_params": 2 * mib, "gradients": 2 * mib, "optimizer_state": 4 * mib,
+                "total": 8 * mib}},
+            "ddp": {"strategy": "ddp", "peak_bytes": 30 * mib, "model_state_bytes": {
+                "parameters": 4 * mib, "gradients": 4 * mib, "optimizer_state": 8 * mib, "total": 16 * mib}}}
+    header, _, zero3, ddp = memory_table(rows).splitlines()
+    # ZeRO-3's master shards are its parameters' only copy between steps: without them its parts
+    # would not add up to its total; no row has comm buffers, so no column of zeros for them
+    assert header == ("| strategy | parameters MiB | master_params MiB | gradients MiB | optimizer_state MiB "
+                      "| total MiB | peak MiB |")
+    assert zero3 == "| zero3 | 0.00 | 2.00 | 2.00 | 4.00 | 8.00 | 20.00 |"
+    assert ddp == "| ddp | 4.00 | 0.00 | 4.00 | 8.00 | 16.00 | 30.00 |"
+
+
 def test_call_payload_from_profiler_shapes():
     assert call_payload("c10d::allreduce_", {"Input Dims": [[[10, 3]], [], []], "Input type": ["TensorList"]}) == \
         ("all_reduce", 120)

@@ -116,6 +116,29 @@ def test_fragments_sync_at_staggered_steps_their_all_reduce_started_early():
     assert all(f.handle is None for f in outer.fragments)
 
 
+def test_the_last_step_adds_no_outer_step_to_a_fragment_whose_update_just_landed():
+    """H = 8, 4 fragments, tau = 1, 16 steps: fragment 3 (phase 0) lands at 8 and at the last step,
+    16, with no mixing, so it holds the outer weights: the end syncs the other three only (an
+    outer step on its zero pseudo-gradient would move it by the momentum alone)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(4)))
+    outer = DiLoCo(net.parameters(), sync_every=8, fragments=4, sync_delay=1, outer_momentum=0.9, total_steps=16)
+    outer_steps = {f.index: 0 for f in outer.fragments}
+    for f in outer.fragments:
+        def counted(step=f.outer.step, index=f.index):
+            outer_steps[index] += 1
+            return step()
+        f.outer.step = counted
+    for _ in range(16):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.01)
+        outer.after_inner_step()
+    assert outer_steps == {0: 3, 1: 3, 2: 3, 3: 2}  # landed at 2/10, 4/12, 6/14 (+ the end), 8/16
+    for f in outer.fragments:
+        assert torch.equal(f.place.local(), f.start.detach())  # every worker ends on the outer weights
+
+
 def test_split_evenly_keeps_order_and_balances():
     params = [torch.zeros(n) for n in (10, 10, 10, 10, 40)]
     parts = split_evenly(params, 2)

@@ -4,8 +4,11 @@ Under ZeRO and fully_shard each rank's scaler sees only its gradient shard; Stra
 makes the found-inf decision the MAX over ranks (strategy.agree_on_overflow), so every rank skips
 the same steps and the scale evolves identically. Each strategy in fp16, with a nan injected on
 rank 1 at step 3, ends where ddp in fp16 ends: the same loss scale (so the same skipped steps:
-the early overflows at 2**16 and the injected one) and the same weights, within 1e-5: fp16
-compute leaves native fully_shard itself 5.4e-6 from ddp.
+the early overflows at 2**16 and the injected one) and the same weights, as close as native
+fully_shard gets. fp16 compute on CPU rounds by the machine: native fully_shard ended 5.4e-6 from
+ddp where this was first measured and 1.2e-5 on a later machine (an AMD EPYC), where every ZeRO
+stage ended the same 1.2e-5 away; so the bound is twice native's gap on the machine at hand, at
+least 1e-5.
 """
 
 import pytest
@@ -22,17 +25,31 @@ def reference(ranks, tmp_path_factory):
     return ranks(2).run(train_on_rank, tiny(*FP16), str(tmp_path_factory.mktemp("ddp")), timeout_s=180)
 
 
-@pytest.mark.parametrize("strategy", ["native_ddp", "zero1", "zero2", "zero3", "native_fsdp"])
-def test_fp16_equals_ddp_in_fp16(ranks, reference, strategy, tmp_path):
-    out = ranks(2).run(train_on_rank, tiny(*FP16, strategy=strategy), str(tmp_path), timeout_s=180)
-    ref = reference[0]
-    assert ref["loss_scale"] < 2.0 ** 16  # overflows happened and were skipped
+def fp16_gap(out: list[dict], ref: list[dict], strategy: str) -> tuple[float, str]:
+    """The same loss scale and no non-finite steps on every rank; then the weights' largest
+    relative difference from ddp's (and where)."""
+    assert ref[0]["loss_scale"] < 2.0 ** 16  # overflows happened and were skipped
     for rank in range(2):
-        assert out[rank]["loss_scale"] == ref["loss_scale"], (strategy, rank, out[rank]["loss_scale"])
+        assert out[rank]["loss_scale"] == ref[0]["loss_scale"], (strategy, rank, out[rank]["loss_scale"])
         assert out[rank]["skipped_steps"] == 0  # fp16 overflows are the scaler's, not non-finite steps
-    worst, where = max_rel_diff(out[0]["full_state"], ref["full_state"])
-    # fp16 compute: native fully_shard itself ends 5.4e-6 from ddp here (measured), ZeRO 4.5e-6
-    assert worst <= 1e-5, f"{strategy}: {where} differs from ddp by {worst:.1e}"
+    return max_rel_diff(out[0]["full_state"], ref[0]["full_state"])
+
+
+@pytest.fixture(scope="module")
+def native_bound(ranks, reference, tmp_path_factory):
+    """Twice native fully_shard's own distance from ddp in fp16 on this machine, at least 1e-5."""
+    out = ranks(2).run(train_on_rank, tiny(*FP16, strategy="native_fsdp"), str(tmp_path_factory.mktemp("fsdp")),
+                       timeout_s=180)
+    gap, _ = fp16_gap(out, reference, "native_fsdp")
+    assert gap <= 1e-4, f"native fully_shard itself ends {gap:.1e} from ddp in fp16: more than fp16's rounding"
+    return max(1e-5, 2 * gap)
+
+
+@pytest.mark.parametrize("strategy", ["native_ddp", "zero1", "zero2", "zero3"])
+def test_fp16_equals_ddp_in_fp16(ranks, reference, native_bound, strategy, tmp_path):
+    out = ranks(2).run(train_on_rank, tiny(*FP16, strategy=strategy), str(tmp_path), timeout_s=180)
+    worst, where = fp16_gap(out, reference, strategy)
+    assert worst <= native_bound, f"{strategy}: {where} differs from ddp by {worst:.1e} (bound {native_bound:.1e})"
 
 
 def overflow_on_one_rank(agree: bool):

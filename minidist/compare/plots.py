@@ -16,10 +16,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from minidist.compare.report import OPS  # noqa: E402
+from minidist.compare.report import OPS, memory_parts  # noqa: E402
 from minidist.profiling.timeline_plot import save_figure, timeline_plot  # noqa: E402
-
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "comm_buffers")
 
 
 def loss_plot(results: dict, path: Path) -> Path:
@@ -52,7 +50,7 @@ def memory_plot(rows: dict, path: Path) -> Path:
     names = list(rows)
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(names)), 4))
     bottoms = [0.0] * len(names)
-    for cat in CATEGORIES:
+    for cat in [*memory_parts(rows), "outer_state"]:  # DiLoCo's outer state stacks on top
         values = [rows[n]["model_state_bytes"].get(cat, 0) / 2**20 for n in names]
         if any(values):
             ax.bar(range(len(names)), values, bottom=bottoms, label=cat, width=0.6)

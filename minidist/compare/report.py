@@ -216,8 +216,19 @@ def bytes_table(rows: dict) -> str:
     return markdown_table(headers, body)
 
 
+# The parts of a rank's model state that memory_report()s measure, in the order tables and plots show
+# them (ZeRO's fp32 master shards and the module's non-parameter state included: without them a
+# ZeRO row's parts do not add up to its total). DiLoCo's outer_state has its own column, beside its formula.
+MEMORY_PARTS = ("parameters", "master_params", "gradients", "optimizer_state", "comm_buffers", "replicated")
+
+
+def memory_parts(rows: dict) -> list[str]:
+    """The parts some row holds (a column of zeros for every strategy says nothing)."""
+    return [c for c in MEMORY_PARTS if any(r["model_state_bytes"].get(c) for r in rows.values())]
+
+
 def memory_table(rows: dict) -> str:
-    cats = ("parameters", "gradients", "optimizer_state", "comm_buffers")
+    cats = memory_parts(rows)
     outer = any(r.get("outer_state_theory") for r in rows.values())  # DiLoCo's, beside its formula
     headers = ["strategy", *(f"{c} MiB" for c in cats), *(["outer_state MiB (theory)"] if outer else []),
                "total MiB", "peak MiB"]

@@ -152,11 +152,15 @@ class DiLoCo:
     def finish(self) -> None:
         """End the round now: an update in flight lands as scheduled, then every fragment whose last
         pseudo-gradient is older than this step (the steps behind a sync_delay included) is synced
-        at once, with no mixing: every worker ends with the same weights, all steps counted."""
+        at once, with no mixing: every worker ends with the same weights, all steps counted. A
+        fragment whose update landed at this step with no mixing already holds the outer weights,
+        the same in every worker: syncing it again would be an outer step on a zero
+        pseudo-gradient, which momentum alone would move."""
         for f in self.fragments:
             if f.handle is not None:
                 self._apply(f, self.mixing)
-            if f.taken_at != self.step:
+            holds_outer = f.synced_at == self.step and self.mixing == 0.0
+            if f.taken_at != self.step and not holds_outer:
                 self._launch(f, self.step)
                 self._apply(f, 0.0)
         self._refresh()
