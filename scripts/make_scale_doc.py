@@ -119,7 +119,8 @@ def validation_section() -> list[str]:
     detailed = runs[shown]
     patterns = list(detailed["measured"])
     ok, table = costmodel.validate(detailed, TOLERANCE)
-    errs = {r: costmodel.prediction_errors(m) for r, m in runs.items()}
+    predicted = {r: costmodel.predict_measured(m) for r, m in runs.items()}
+    errs = {r: costmodel.prediction_errors(m, predicted[r]) for r, m in runs.items()}
     lines = [
         f"At {DETAILED} Mbit/s (`{command(DETAILED)}`, {load_record(data_file(shown))['provenance']['date']}):",
         "",
@@ -145,7 +146,7 @@ def validation_section() -> list[str]:
     at_once = [-errs_at_once[r][s] for r in have for s in ("ddp", "zero3") if s in errs_at_once[r]]
     measured = detailed["measured"]
     ranking_holds = [r for r, m in runs.items() if sorted(m["measured"], key=m["measured"].get)
-                     == sorted(m["measured"], key=costmodel.predict_measured(m).get)]
+                     == sorted(m["measured"], key=predicted[r].get)]
     lines += [
         "",
         "What the errors say:",
