@@ -270,10 +270,17 @@ def test_srun_style_launch_reads_slurm_variables(tmp_path):
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000003"]
 
 
+# How far the default job's losses may move between CPUs (see the test below): 2e-4 seen.
+LOSS_ACROSS_CPUS = 5e-4
+
+
 @pytest.mark.slow(stand_in=None, why="the whole default job (400 steps): its figures exist only at its end")
+@pytest.mark.timeout(900)  # 2.5 minutes on a slow 2-core machine; a CI machine may be slower still
 def test_make_train_ends_at_the_figures_the_readme_quotes(tmp_path):
     """`make train`'s command (recipes/train.py, its defaults) ends at the README's losses, model
-    size, bytes per step and model state, which do not vary between runs (its speed does)."""
+    size, bytes per step and model state, which do not vary between runs on one machine (its speed
+    does). Across CPUs the losses move in the fourth decimal: the matmul kernels torch picks for
+    a CPU sum in their own order, and 400 steps carry the difference (2.4119 and 2.4121 seen)."""
     import json
     import math
     import re
@@ -283,8 +290,8 @@ def test_make_train_ends_at_the_figures_the_readme_quotes(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     quoted = dict(re.findall(r"^(train loss|validation loss|communication|memory \(rank 0\))\s{2,}(.*)$", readme, re.M))
-    assert quoted["train loss"] == f"{s['train/loss']:.4f}"
-    assert quoted["validation loss"] == f"{s['val/loss']:.4f}"
+    for name, key in (("train loss", "train/loss"), ("validation loss", "val/loss")):
+        assert abs(float(quoted[name]) - s[key]) <= LOSS_ACROSS_CPUS, (name, quoted[name], s[key])
     assert quoted["communication"] == f"{s['comm/bytes_per_step'] / 2**20:,.1f} MiB sent per step and rank"
     assert quoted["memory (rank 0)"].startswith(f"model state {s['memory/model_state_bytes'] / 2**20:,.1f} MiB,")
     assert f"ends at a validation loss of {s['val/loss']:.2f} nats" in readme
