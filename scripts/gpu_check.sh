@@ -4,6 +4,10 @@
 #   scripts/gpu_check.sh                       # on a machine with CUDA
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh   # every stage on CPU (gloo, world size 1): tests this script
 #
+# GPU_CHECK_STEPS (default 20) sets the training stages' length; GPU_CHECK_ARGS adds overrides to
+# every training stage (the dry run's test passes a smaller model: bf16 matmuls on a CPU without
+# bf16 instructions take seconds a step).
+#
 # Everything goes under ${OUT:-outputs/gpu_check}, removed first (a warm machine must not resume
 # old checkpoints). Each stage has a time limit and its own log there; the last lines printed are
 # a PASS/FAIL table (what comes back from a remote run). Stages:
@@ -43,7 +47,7 @@ else
 fi
 [ "$NPROC" -eq 1 ] && echo "gpu_check: world size 1 everywhere: two NCCL ranks cannot share one GPU"
 COMMON=(launcher.nproc="$NPROC" launcher.backend="$BACKEND" launcher.timeout_s=120 trainer.progress=false
-        trainer.eval_every=0 trainer.eval_batches=2 trainer.log_every=5)
+        trainer.eval_every=0 trainer.eval_batches=2 trainer.log_every=5 ${GPU_CHECK_ARGS:-})
 
 # stage NAME LIMIT_S COMMAND...: run it with a time limit, its output in OUT/NAME.log; one table row.
 status=0
