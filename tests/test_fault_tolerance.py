@@ -15,11 +15,11 @@ from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchrun(run_dir, *overrides, strategy: str, restarts: int = 0, nproc: int = 2):
+def torchrun(run_dir, *overrides, strategy: str, restarts: int = 0, nproc: int = 2, timeout_s: float = 240):
     cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(RECIPE),
            *tiny_overrides("trainer.ckpt_every=5", *overrides, f"hydra.run.dir={run_dir}", strategy=strategy)]
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +239,7 @@ def test_unreachable_master_fails_within_the_timeout():
 
 
 @pytest.mark.slow(stand_in=None, why="the soak: a thousand steps and three kills, whose figures docs/fault_tolerance.md renders")
+@pytest.mark.timeout(1200)  # 152 s where its figures were measured, 240 s on a slower 2-core machine, over 300 s in a CI run
 def test_soak_three_kills_in_a_thousand_steps(tmp_path):
     """4 ranks, 1,000 steps, a checkpoint every 50, three kills at random steps (fixed seed): the
     run finishes and its final state equals the uninterrupted run's, bitwise. (make test-all)
@@ -254,12 +255,13 @@ def test_soak_three_kills_in_a_thousand_steps(tmp_path):
     common = ["trainer.max_steps=1000", "trainer.ckpt_every=50", "trainer.log_every=50", "trainer.eval_every=0",
               "trainer.eval_batches=1"]
     start = time.monotonic()
-    straight = torchrun(tmp_path / "straight", *common, strategy="zero2", nproc=4)
+    straight = torchrun(tmp_path / "straight", *common, strategy="zero2", nproc=4, timeout_s=500)
     straight_s = time.monotonic() - start
     assert straight.returncode == 0, straight.stderr[-8000:]
     start = time.monotonic()
     killed = torchrun(tmp_path / "killed", *common, f"debug.kill_rank=[{','.join(map(str, ranks_killed))}]",
-                      f"debug.kill_at_step=[{','.join(map(str, steps))}]", strategy="zero2", nproc=4, restarts=3)
+                      f"debug.kill_at_step=[{','.join(map(str, steps))}]", strategy="zero2", nproc=4, restarts=3,
+                      timeout_s=600)
     killed_s = time.monotonic() - start
     assert killed.returncode == 0, killed.stderr[-3000:]
     for r, s in zip(ranks_killed, steps):
