@@ -19,7 +19,7 @@ SCRIPT = ROOT / "scripts" / "validate_sim.sh"
 
 
 @pytest.mark.slow(stand_in="test_costmodel.py::test_across_hosts_only_one_shard_crosses")  # root-only shaped links
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # two takes of at most 280 s
 def test_cost_model_within_a_quarter_of_shaped_links(tmp_path):
     reason = namespaces_available()
     if reason:
@@ -30,8 +30,10 @@ def test_cost_model_within_a_quarter_of_shaped_links(tmp_path):
     for attempt in (1, 2):
         out_dir = tmp_path / f"try{attempt}"
         out_dir.mkdir()
-        env = {**os.environ, "OUT": str(out_dir), "PREFIX": "mst", "PYTHON": PYTHON, "TIMEOUT_S": "100"}
-        out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=140)
+        # TIMEOUT_S bounds each launch: a fresh clone's run in CI took 75 s to start its 4 ranks
+        # (imports from a cold page cache) and was cut off at the 100 s this once allowed.
+        env = {**os.environ, "OUT": str(out_dir), "PREFIX": "mst", "PYTHON": PYTHON, "TIMEOUT_S": "240"}
+        out = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=280)
         if "NOT within" not in out.stdout:  # a pass, or a failure that is not the model's bound: no retake
             break
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
