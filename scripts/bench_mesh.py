@@ -15,7 +15,13 @@ assumes. It measures:
    ddp (all_reduce over the world), zero3 (reduce_scatter + 2 all_gathers over the world),
    hierarchical and hsdp3 (the same within each host's shard group, then an all_reduce of the
    1/S shard across the replicas), zero3_zeropp (zero3 with int8 wires and the backward's gather
-   within the host). The median of --reps timed runs, barrier before each.
+   within the host).
+3. The int8 wire's coding on the ranks' own cores (the cost model's codec_s).
+
+All are timed together in --reps rounds, each round running every probe and pattern once in
+turn (a barrier before each), so that a stretch of contention on a shared machine falls on the
+calibration and on the patterns alike; each time is the median over the rounds of the slowest
+rank's.
 
 Rank 0 writes the JSON `python -m minidist.costmodel validate` reads.
 """
@@ -37,40 +43,42 @@ from minidist.comm import ring
 from minidist.comm.wire import Wire
 
 
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up: connections, buffers
-    times = []
+def timed_in_rounds(probes: dict, reps: int) -> dict[str, float]:
+    """Each probe's time: the median of `reps` runs, the slowest rank's (the step ends when it is
+    done). The runs go in rounds, each round running every probe once in turn (a barrier before
+    each), so that the calibration and the patterns it predicts share the machine's slow and fast
+    stretches: timed one after the other, a stretch of contention on a busy CI machine once fell
+    on the calibration alone (its codec_s 4-10x this machine's) and the prediction missed by 60%."""
+    for fn in probes.values():
+        fn()  # warm-up: connections, buffers
+    times = {name: [] for name in probes}
     for _ in range(reps):
-        comm.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return slowest(statistics.median(times))  # the step ends when the slowest rank is done
+        for name, fn in probes.items():
+            comm.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: slowest(statistics.median(runs)) for name, runs in times.items()}
 
 
-def exchange_points(send_to: int, recv_from: int, sizes, reps: int, sharing: int = 1,
-                    active: bool = True) -> list[tuple[float, float, float]]:
-    """(latency coefficient, inverse-bandwidth coefficient, seconds) of one point-to-point
-    exchange per size: every rank sends M bytes to `send_to` while receiving M from `recv_from`,
-    all ranks at once (the load of one ring step), t = a + M s / b where `sharing` streams
-    share each link. The bytes go as the ring sends them: in pieces of ring.PIECE_BYTES, each
-    piece's send and receive finished before the next starts (on a shaped link one long
-    message was ~25% faster than the ring's pieces: a probe of it predicted the world ring
-    26% too fast)."""
-    points = []
-    for nbytes in sizes:
-        out, into = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-        step = ring.PIECE_BYTES // 4
+def exchange(send_to: int, recv_from: int, nbytes: int, active: bool = True):
+    """One point-to-point exchange, as a function: every rank sends `nbytes` to `send_to` while
+    receiving as many from `recv_from`, all ranks at once (the load of one ring step). The bytes
+    go as the ring sends them: in pieces of ring.PIECE_BYTES, each piece's send and receive
+    finished before the next starts (on a shaped link one long message was ~25% faster than the
+    ring's pieces: a probe of it predicted the world ring 26% too fast). A rank not `active` sits
+    the probe out (one stream per host)."""
+    out, into = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    step = ring.PIECE_BYTES // 4
 
-        def exchange():
-            if not active:  # this rank sits the probe out (one stream per host)
-                return
-            for a in range(0, out.numel(), step):
-                works = [comm.irecv(into[a:a + step], recv_from), comm.isend(out[a:a + step], send_to)]
-                for w in works:
-                    w.wait()
-        points.append((1, nbytes * sharing, timed(exchange, reps)))
-    return points
+    def run():
+        if not active:
+            return
+        for a in range(0, out.numel(), step):
+            works = [comm.irecv(into[a:a + step], recv_from), comm.isend(out[a:a + step], send_to)]
+            for w in works:
+                w.wait()
+    return run
 
 
 def fit_link(points) -> tuple[float, float]:
@@ -142,23 +150,36 @@ def main() -> None:
     sizes = (ring.PIECE_BYTES, 4 * ring.PIECE_BYTES)  # one piece, four
     S, r = mesh.shard, ctx.rank
     host, local = divmod(r, S)
-    # Within a host: to the next rank of one's own host; between hosts: to one's counterpart on
-    # the next host (every rank at once, so a host's S streams share its link).
-    intra_lat, intra_bw = fit_link(exchange_points(host * S + (local + 1) % S, host * S + (local - 1) % S,
-                                                   sizes, args.reps))
     hosts = mesh.replicate
-    # Between hosts, two loads: one stream out of each host (local rank 0 only: the world ring's
-    # case) and all S at once (the replicate rings'), fitted together. A single TCP stream gets
-    # less of a shaped link than S together; one (a, b) for both sits between them.
-    nxt, prv = ((host + 1) % hosts) * S + local, ((host - 1) % hosts) * S + local
-    inter_lat, inter_bw = fit_link(exchange_points(nxt, prv, sizes, args.reps, sharing=1, active=local == 0)
-                                   + exchange_points(nxt, prv, sizes, args.reps, sharing=S))
+    # The link probes: (name, latency coefficient, inverse-bandwidth coefficient) for t = a x + M s / b,
+    # where s streams share each link.
+    links = {}
+    probes = {}
+    for nbytes in sizes:
+        # Within a host: to the next rank of one's own host.
+        probes[f"intra {nbytes}"] = exchange(host * S + (local + 1) % S, host * S + (local - 1) % S, nbytes)
+        links[f"intra {nbytes}"] = ("intra", nbytes)
+        # Between hosts, to one's counterpart on the next host, under two loads fitted together:
+        # one stream out of each host (local rank 0 only: the world ring's case) and all S at once
+        # (the replicate rings'). A single TCP stream gets less of a shaped link than S together;
+        # one (a, b) for both sits between them.
+        nxt, prv = ((host + 1) % hosts) * S + local, ((host - 1) % hosts) * S + local
+        probes[f"inter one {nbytes}"] = exchange(nxt, prv, nbytes, active=local == 0)
+        links[f"inter one {nbytes}"] = ("inter", nbytes)
+        probes[f"inter all {nbytes}"] = exchange(nxt, prv, nbytes)
+        links[f"inter all {nbytes}"] = ("inter", nbytes * S)
     # The wire's coding on this rank's cores (the cost model's codec_s): encode and decode the whole
-    # payload once, with no communication, per element; every rank at once, as in a step (the
-    # ranks share the cores), and more repetitions than the patterns get: it is short and noisy.
+    # payload once, with no communication; every rank at once, as in a step (the ranks share the
+    # cores). Short and noisy: three runs a round.
     payload, wire = torch.randn(args.params), Wire("int8")
-    codec_s = timed(lambda: wire.round_trip(payload), max(9, 3 * args.reps)) / args.params
-    measured = {name: timed(fn, args.reps) for name, fn in patterns(mesh, args.params, args.messages).items()}
+    for i in range(3):
+        probes[f"codec {i}"] = lambda: wire.round_trip(payload)
+    step_patterns = patterns(mesh, args.params, args.messages)
+    times = timed_in_rounds({**probes, **step_patterns}, args.reps)
+    intra_lat, intra_bw = fit_link([(1, y, times[n]) for n, (level, y) in links.items() if level == "intra"])
+    inter_lat, inter_bw = fit_link([(1, y, times[n]) for n, (level, y) in links.items() if level == "inter"])
+    codec_s = statistics.median(times[f"codec {i}"] for i in range(3)) / args.params
+    measured = {name: times[name] for name in step_patterns}
     if ctx.rank == 0:
         out = {"hosts": mesh.replicate, "per_host": mesh.shard, "params": args.params, "messages": args.messages,
                "intra_lat": intra_lat, "intra_bw": intra_bw, "inter_lat": inter_lat, "inter_bw": inter_bw,

@@ -300,7 +300,13 @@ def render(img: Path = IMG) -> str:
         "rank at once, no communication): the model's codec_s.",
         f"  - It then times five step patterns on 1 M values (4 MiB) in 2 messages: ddp, zero3, zero3_zeropp "
         "(zero3 with ZeRO++: int8 gathers and an int8 all-to-all for the gradients, the backward's gather within "
-        f"the host), ddp_hierarchical and hsdp3. Each is the median of {REPS} runs, the slowest rank's time.",
+        f"the host), ddp_hierarchical and hsdp3.",
+        f"  - It times the probes, the coding and the patterns together in {REPS} rounds, each round running "
+        "every one of them once in turn. A busy stretch of the machine then falls on the calibration and on the "
+        "patterns alike. Each figure is the median of its runs, the slowest rank's time.",
+        "  - glibc keeps the memory the ranks free (`MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`). Without "
+        "that, each coding of the payload mapped fresh pages: their faults were two thirds of its time here, "
+        "and cost 4-10x as much on a busy CI machine.",
         f"- **Predicting.** `python -m minidist.costmodel validate measured.json` predicts each pattern from the "
         f"calibrated links and fails beyond {TOLERANCE:.0%}.",
         "",

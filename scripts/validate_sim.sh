@@ -27,6 +27,11 @@ PREFIX=${PREFIX:-ms}
 TIMEOUT_S=${TIMEOUT_S:-300}
 OUT=${OUT:-$(mktemp -d /tmp/minidist-validate-sim.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+# glibc keeps the memory a rank frees instead of handing it back at once: otherwise each int8 coding
+# of the payload maps fresh pages, and its page faults were two thirds of the coding's time here
+# (16 ms of a round trip where 7 ms is the arithmetic, 4 ranks on 2 cores) and far more on a busy
+# CI machine (4-10x), so that codec_s measured one machine state and the ZeRO++ pattern another.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1073741824} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-1073741824}
 if [ "$(id -u)" != 0 ]; then
     echo "validate_sim: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
     exit 3
