@@ -60,3 +60,27 @@ def test_timeout_kills_every_rank():
         assert not pool._procs  # all ranks gone
     finally:
         pool.close()
+
+
+def threads_of_this_rank():
+    import os
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def groups_used_then_left(n):
+    import torch
+    for group in [dist.new_group([0, 1]) for _ in range(n)]:
+        dist.all_reduce(torch.ones(1), group=group)  # gloo connects the group: its threads run
+    return threads_of_this_rank()
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_groups_a_task_made_are_destroyed_with_their_threads(ranks):
+    # gloo gives each group three threads that poll; kept for the whole suite, a pool's ranks held
+    # ~700 each, which slowed every later test and threw off the timing tests.
+    pool = ranks(2)
+    before = pool.run(threads_of_this_rank)
+    during = pool.run(groups_used_then_left, 5)
+    assert all(d >= b + 5 for b, d in zip(before, during)), (before, during)  # the task's groups had threads
+    assert pool.run(threads_of_this_rank) == before
+    assert pool.run(whoami) == [(0, 2), (1, 2)]  # the default group is kept
