@@ -62,9 +62,11 @@ def _destroy_groups_but(kept: set) -> None:
 
     if not dist.is_initialized():
         return
-    for group in _process_groups() - kept:
+    made = _process_groups() - kept
+    for group in made:
         dist.destroy_process_group(group)
-    gc.collect()  # the task's objects holding the groups (DDP, meshes) go now, and with them the threads
+    if made:  # the task's objects holding the groups (DDP, meshes) go now, and with them the threads
+        gc.collect()
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> None:

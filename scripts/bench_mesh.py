@@ -151,19 +151,15 @@ def main() -> None:
     S, r = mesh.shard, ctx.rank
     host, local = divmod(r, S)
     hosts = mesh.replicate
-    # The link probes: (name, latency coefficient, inverse-bandwidth coefficient) for t = a x + M s / b,
-    # where s streams share each link.
-    links = {}
-    probes = {}
+    # Within a host: to the next rank of one's own host. Between hosts: to one's counterpart on the
+    # next host, under two loads fitted together: one stream out of each host (local rank 0 only:
+    # the world ring's case) and all S at once (the replicate rings'). A single TCP stream gets less
+    # of a shaped link than S together; one (a, b) for both sits between them.
+    nxt, prv = ((host + 1) % hosts) * S + local, ((host - 1) % hosts) * S + local
+    probes, links = {}, {}  # links: probe name -> (level, bytes crossing each link: M s in t = a + M s / b)
     for nbytes in sizes:
-        # Within a host: to the next rank of one's own host.
         probes[f"intra {nbytes}"] = exchange(host * S + (local + 1) % S, host * S + (local - 1) % S, nbytes)
         links[f"intra {nbytes}"] = ("intra", nbytes)
-        # Between hosts, to one's counterpart on the next host, under two loads fitted together:
-        # one stream out of each host (local rank 0 only: the world ring's case) and all S at once
-        # (the replicate rings'). A single TCP stream gets less of a shaped link than S together;
-        # one (a, b) for both sits between them.
-        nxt, prv = ((host + 1) % hosts) * S + local, ((host - 1) % hosts) * S + local
         probes[f"inter one {nbytes}"] = exchange(nxt, prv, nbytes, active=local == 0)
         links[f"inter one {nbytes}"] = ("inter", nbytes)
         probes[f"inter all {nbytes}"] = exchange(nxt, prv, nbytes)

@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results, failures with tracebacks, timeouts that kill, recovery."""
 
+import os
 import time
 
 import pytest
@@ -63,7 +64,6 @@ def test_timeout_kills_every_rank():
 
 
 def threads_of_this_rank():
-    import os
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
@@ -74,7 +74,7 @@ def groups_used_then_left(n):
     return threads_of_this_rank()
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
 def test_groups_a_task_made_are_destroyed_with_their_threads(ranks):
     # gloo gives each group three threads that poll; kept for the whole suite, a pool's ranks held
     # ~700 each, which slowed every later test and threw off the timing tests.
