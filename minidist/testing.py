@@ -13,6 +13,8 @@ Never hang, never flake:
   not finish shortly after, e.g. stuck in a collective waiting for the failed
   rank) the whole pool is killed and the next `run` starts a fresh one;
 - a failure reports every failing rank's traceback;
+- ranks that hold many process groups (each with polling threads) are replaced by fresh
+  ones before the next task, so the suite's later tests get the whole machine;
 - ranks leave with os._exit, skipping interpreter teardown, where gloo may
   otherwise abort ("terminate called without an active exception").
 """
@@ -33,6 +35,14 @@ DEFAULT_TIMEOUT_S = 120.0
 # After one rank fails, how long the others get to finish before we assume they
 # are blocked on the failed rank and kill the pool.
 FAILURE_GRACE_S = 5.0
+# Past this many process groups on a rank, the pool starts fresh ranks before its next task. torch
+# keeps every group a task makes (new_group, meshes, DeviceMesh) until it is destroyed, and gloo
+# gives each group three threads that poll: a 4-rank pool that ran the whole suite held 235 groups
+# (~710 threads a rank), which took a third of the machine's CPU from every later test. Destroying
+# a task's groups is not an option: torch's DTensor caches and DeepSpeed's module globals keep
+# them for the next run in the same process, as they may in a real one. New processes are what
+# a new run gets anyway.
+MAX_GROUPS_HELD = 24
 
 
 class RankFailure(AssertionError):
@@ -43,30 +53,11 @@ class RankTimeout(AssertionError):
     """The ranks did not all finish before the deadline; the pool was killed."""
 
 
-def _process_groups() -> set:
-    """The process groups torch.distributed holds on this rank (its registry; no public API lists it)."""
+def _groups_held() -> int:
+    """How many process groups torch.distributed holds on this rank (its registry; no public API counts them)."""
     from torch.distributed import distributed_c10d
 
-    return set(distributed_c10d._world.pg_map)
-
-
-def _destroy_groups_but(kept: set) -> None:
-    """Destroy every process group a task made (new_group, a mesh, a DeviceMesh) once it is done.
-    torch keeps each group until it is destroyed, and gloo gives each one a socket loop thread and
-    two worker threads, which poll: a 4-rank pool that ran the whole suite held 235 groups and
-    ~710 threads per rank, which took a third of the machine's CPU from every later test (the
-    shaped-link cost model's measurements missed by 40% beside them). Local on gloo: no rank waits."""
-    import gc
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    made = _process_groups() - kept
-    for group in made:
-        dist.destroy_process_group(group)
-    if made:  # the task's objects holding the groups (DDP, meshes) go now, and with them the threads
-        gc.collect()
+    return len(distributed_c10d._world.pg_map)
 
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> None:
@@ -88,13 +79,10 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> Non
             if task is None:
                 break
             fn, args, kwargs = task
-            kept = _process_groups()
             try:
-                reply = ("ok", fn(*args, **kwargs))
-                payload = pickle.dumps(reply)
+                payload = pickle.dumps(("ok", fn(*args, **kwargs), _groups_held()))
             except BaseException:  # noqa: BLE001 - report everything, including SystemExit
                 payload = pickle.dumps(("err", f"rank {rank}:\n{traceback.format_exc()}"))
-            _destroy_groups_but(kept)
             conn.send_bytes(payload)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         pass
@@ -177,7 +165,7 @@ class RankPool:
                     failed_at = failed_at or time.monotonic()
         if len(replies) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in replies]
-            errors = [v for s, v in replies.values() if s == "err"]
+            errors = [reply[1] for reply in replies.values() if reply[0] == "err"]
             self.kill()
             if errors:
                 raise RankFailure("\n".join(errors) + f"\n(ranks {missing} were still blocked; pool killed)")
@@ -196,9 +184,11 @@ class RankPool:
         for conn in self._conns:
             conn.send_bytes(task)
         replies = self._collect(time.monotonic() + timeout_s, getattr(fn, "__name__", "task"))
-        errors = [value for status, value in replies if status != "ok"]
+        errors = [reply[1] for reply in replies if reply[0] != "ok"]
         if errors:
             # A rank that raised may have left collectives half done: start fresh next time.
             self.kill()
             raise RankFailure("\n".join(errors))
-        return [value for _, value in replies]
+        if max(held for _, _, held in replies) > MAX_GROUPS_HELD:
+            self.close()  # their threads would slow every later test: fresh ranks next time
+        return [value for _, value, _ in replies]

@@ -4,9 +4,10 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from minidist.testing import RankFailure, RankPool, RankTimeout
+from minidist.testing import MAX_GROUPS_HELD, RankFailure, RankPool, RankTimeout
 
 
 def whoami():
@@ -67,20 +68,48 @@ def threads_of_this_rank():
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
+def pid_and_threads():
+    return os.getpid(), threads_of_this_rank()
+
+
 def groups_used_then_left(n):
     import torch
     for group in [dist.new_group([0, 1]) for _ in range(n)]:
         dist.all_reduce(torch.ones(1), group=group)  # gloo connects the group: its threads run
-    return threads_of_this_rank()
+    return pid_and_threads()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
-def test_groups_a_task_made_are_destroyed_with_their_threads(ranks):
+def test_ranks_holding_many_groups_are_replaced_before_the_next_task(ranks):
     # gloo gives each group three threads that poll; kept for the whole suite, a pool's ranks held
     # ~700 each, which slowed every later test and threw off the timing tests.
     pool = ranks(2)
-    before = pool.run(threads_of_this_rank)
-    during = pool.run(groups_used_then_left, 5)
-    assert all(d >= b + 5 for b, d in zip(before, during)), (before, during)  # the task's groups had threads
-    assert pool.run(threads_of_this_rank) == before
-    assert pool.run(whoami) == [(0, 2), (1, 2)]  # the default group is kept
+    before = pool.run(pid_and_threads)
+    few = pool.run(groups_used_then_left, 2)
+    assert [pid for pid, _ in few] == [pid for pid, _ in pool.run(pid_and_threads)]  # a few groups: kept
+    many = pool.run(groups_used_then_left, MAX_GROUPS_HELD + 1)
+    assert all(t >= b + MAX_GROUPS_HELD for (_, b), (_, t) in zip(before, many)), (before, many)
+    after = pool.run(pid_and_threads)
+    assert not {pid for pid, _ in after} & {pid for pid, _ in many}  # fresh ranks...
+    assert all(t <= b for (_, b), (_, t) in zip(before, after)), (before, after)  # ...without the threads
+    assert pool.run(whoami) == [(0, 2), (1, 2)]
+
+
+def norm_of_a_dtensor_on_a_2d_mesh():
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # both dims new groups
+    x = distribute_tensor(torch.arange(8.0), mesh, [Shard(0), Shard(0)])
+    return torch.linalg.vector_norm(x).full_tensor().item()
+
+
+def test_what_torch_caches_from_one_task_still_works_in_the_next(ranks):
+    # DTensor caches meshes (with the names of their groups) across runs in one process, as
+    # DeepSpeed keeps its groups in module globals: a harness that destroyed a task's groups
+    # broke the next task's mesh ("Could not resolve the process group registered under the name").
+    pool = ranks(4)
+    expected = float(torch.arange(8.0).norm())
+    assert pool.run(norm_of_a_dtensor_on_a_2d_mesh) == pytest.approx([expected] * 4)
+    assert pool.run(norm_of_a_dtensor_on_a_2d_mesh) == pytest.approx([expected] * 4)
