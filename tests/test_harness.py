@@ -64,16 +64,11 @@ def test_timeout_kills_every_rank():
         pool.close()
 
 
-def threads_of_this_rank():
-    return len(os.listdir(f"/proc/{os.getpid()}/task"))
-
-
 def pid_and_threads():
-    return os.getpid(), threads_of_this_rank()
+    return os.getpid(), len(os.listdir(f"/proc/{os.getpid()}/task"))
 
 
 def groups_used_then_left(n):
-    import torch
     for group in [dist.new_group([0, 1]) for _ in range(n)]:
         dist.all_reduce(torch.ones(1), group=group)  # gloo connects the group: its threads run
     return pid_and_threads()
@@ -96,7 +91,6 @@ def test_ranks_holding_many_groups_are_replaced_before_the_next_task(ranks):
 
 
 def norm_of_a_dtensor_on_a_2d_mesh():
-    import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
