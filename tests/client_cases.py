@@ -6,6 +6,7 @@ rank's final states; the directory is the test's own (snapshots are shared files
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -16,6 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "client_scripts"))
 import ddp_tutorial  # noqa: E402
 import fsdp2_example  # noqa: E402
 import mingpt  # noqa: E402
+import nanogpt  # noqa: E402
+import wrappers  # noqa: E402
 
 
 def _between_runs():
@@ -77,3 +80,61 @@ def fsdp2_meta(how: str):
         return "trained"
     except ValueError as e:
         return str(e)
+
+
+def nanogpt_runs(how: str, directory: str, compiled: bool = False, **kwargs):
+    """6 iterations straight; 3, then a restart with init_from="resume" to 6 (nanoGPT's checkpoint:
+    rank 0 saves, every rank loads it before wrapping)."""
+    run = functools.partial(nanogpt.main, how, compile=compiled, compile_backend="aot_eager", **kwargs)
+    straight = run(f"{directory}/{how}_straight", 6)
+    _between_runs()
+    run(f"{directory}/{how}_stopped", 3)
+    _between_runs()
+    return straight, run(f"{directory}/{how}_stopped", 6, init_from="resume")
+
+
+def nanogpt_gradient_collectives(how: str, directory: str) -> list[int]:
+    """The gradient collectives (all_reduce, reduce_scatter) of 2 optimizer steps, with 1 and with 4
+    micro-batches a step (the toggle): minidist's from its tracer, native DDP's from a comm hook that
+    counts its bucket all_reduces."""
+    from minidist.comm import CommTracer
+
+    counts = []
+    for accumulation in (1, 4):
+        calls: list[str] = []
+
+        def counting_wrap(wrap_how, model, optimizer, local_rank):
+            wrapped = wrappers.wrap(wrap_how, model, optimizer, local_rank)
+            if wrap_how == "native":
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+                def hook(state, bucket):
+                    calls.append("all_reduce")
+                    return allreduce_hook(state, bucket)
+                wrapped.register_comm_hook(None, hook)
+            return wrapped
+        nanogpt.wrap = counting_wrap
+        try:
+            with CommTracer() as tracer:
+                nanogpt.main(how, f"{directory}/{how}_count", 2, gradient_accumulation_steps=2 * accumulation,
+                             eval_interval=1000, checkpoint=False)
+        finally:
+            nanogpt.wrap = wrappers.wrap
+        traced = [r.op for r in tracer.records if r.op in ("all_reduce", "reduce_scatter")]
+        counts.append(len(calls) if how == "native" else len(traced))
+    return counts
+
+
+def nanogpt_rank0_evaluation_at_stage3(directory: str) -> str:
+    """The script as written (evaluation on rank 0 only) under ZeRO-3: every rank's error."""
+    nanogpt.evaluates_on_every_rank = lambda model: False
+    try:
+        nanogpt.main("zero3", f"{directory}/rank0_eval", 2, checkpoint=False)
+        return "trained"
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        nanogpt.evaluates_on_every_rank = _evaluates_on_every_rank
+
+
+_evaluates_on_every_rank = nanogpt.evaluates_on_every_rank

@@ -209,6 +209,14 @@ def train(strategy: str, idiom: str, model_name: str) -> dict:
             loss = loss_of(forward(x, **kwargs), y)
             (g,) = torch.autograd.grad(loss, x, create_graph=True)
             (loss + 0.1 * g.pow(2).sum()).backward()
+        elif idiom in ("toggle", "fsdp_toggle"):  # nanoGPT's accumulation: switched by assignment, or FSDP2's call
+            for micro in range(PER_RANK):
+                sync = micro == PER_RANK - 1
+                if idiom == "fsdp_toggle" and hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(sync)
+                else:  # native DDP's attribute (what its no_sync() sets)
+                    model.require_backward_grad_sync = sync
+                (loss_of(forward(x[micro:micro + 1], **kwargs), y[micro:micro + 1]) / PER_RANK).backward()
         elif idiom == "two_forwards":
             half = PER_RANK // 2
             (loss_of(forward(x[:half]), y[:half]) + loss_of(forward(x[half:]), y[half:])).backward()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import client_cases as cases
-from porting_cases import same
+from porting_cases import optimizer_states_equal, same
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,6 +90,60 @@ def test_fsdp2_example_meta_init_is_refused_by_name(ranks):
     native, ours = ranks(2).run(cases.fsdp2_meta, "native")[0], ranks(2).run(cases.fsdp2_meta, "zero3")[0]
     assert native == "trained"
     assert "meta device" in ours and "Materialise before wrapping" in ours
+
+
+def assert_nanogpt_run_is(ours: dict, native: dict, what: str) -> None:
+    """Weights, the optimizer's whole state and every loss computed, bitwise."""
+    assert_same(ours["model"], native["model"], what)
+    assert optimizer_states_equal(ours["optimizer"], native["optimizer"]), f"{what}: optimizer state differs"
+    assert ours["losses"] == native["losses"], f"{what}: losses differ"
+
+
+# nanoGPT's loop: 4 micro-batches a step, synchronisation switched by `model.require_backward_grad_sync
+# = ...`, torch's clipping, rank-0 evaluation and checkpoints, init_from="resume"; under torch.compile
+# (aot_eager here: dynamo's graphs and AOTAutograd's backward around the wrapper's hooks) too.
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nanogpt_script_ported_by_the_import_alone_is_bitwise_native(ranks, tmp_path, compiled):
+    native = ranks(2).run(cases.nanogpt_runs, "native", str(tmp_path), compiled)
+    ours = ranks(2).run(cases.nanogpt_runs, "ddp", str(tmp_path), compiled)
+    for rank, ((straight, resumed), (native_straight, native_resumed)) in enumerate(zip(ours, native)):
+        assert_nanogpt_run_is(straight, native_straight, f"rank {rank} straight")
+        assert_nanogpt_run_is(resumed, native_resumed, f"rank {rank} resumed")
+        assert_same(resumed["model"], straight["model"], f"rank {rank}: resumed vs unbroken")
+
+
+@pytest.mark.parametrize("how", ["zero1", "zero2", "zero3"])
+def test_nanogpt_script_at_zero_stages_with_the_toggle_is_bitwise_native(ranks, tmp_path, how):
+    """The ZeRO ports (checkpoints gathered on every rank; at stage 3 the evaluation on every rank),
+    without clipping: a sharded norm's last bits are its own (MINGPT_TOLERANCE), the toggle is not."""
+    native = ranks(2).run(cases.nanogpt_runs, "native", str(tmp_path), grad_clip=0.0)
+    ours = ranks(2).run(cases.nanogpt_runs, how, str(tmp_path), grad_clip=0.0)
+    rank0_evals = [run["losses"]["eval"] for run in native[0]]
+    for rank, ((straight, resumed), (native_straight, native_resumed)) in enumerate(zip(ours, native)):
+        if how == "zero3":  # every rank evaluated: what native's rank 0 alone did
+            assert [run["losses"].pop("eval") for run in (straight, resumed)] == rank0_evals
+            native_straight["losses"].pop("eval"), native_resumed["losses"].pop("eval")
+        assert_nanogpt_run_is(straight, native_straight, f"{how} rank {rank} straight")
+        assert_nanogpt_run_is(resumed, native_resumed, f"{how} rank {rank} resumed")
+
+
+@pytest.mark.parametrize("how", ["native", "ddp", "zero1", "zero2", "zero3"])
+def test_the_toggle_holds_back_every_gradient_collective_but_the_steps_last(ranks, tmp_path, how):
+    """Gradient collectives over 2 optimizer steps: as many with 4 micro-batches a step as with 1,
+    and DataParallel's all_reduces as many as native DDP's."""
+    one, four = ranks(2).run(cases.nanogpt_gradient_collectives, how, str(tmp_path))[0]
+    assert one == four > 0, f"{how}: {one} gradient collectives with 1 micro-batch a step, {four} with 4"
+    if how == "ddp":
+        assert four == ranks(2).run(cases.nanogpt_gradient_collectives, "native", str(tmp_path))[0][1]
+
+
+def test_nanogpt_rank0_evaluation_at_stage3_fails_on_every_rank_naming_the_fix(ranks, tmp_path):
+    """Rank 0's evaluation forward meets rank 1's training forward: each gathers from every rank, so
+    both stop at once, saying which forward each rank ran and what to do, not gloo's size mismatch."""
+    for rank, message in enumerate(ranks(2).run(cases.nanogpt_rank0_evaluation_at_stage3, str(tmp_path))):
+        assert "rank 0: forward #1, no_grad, eval; rank 1: forward #1, with grad, train" in message, message
+        assert "run the evaluation on every rank" in message and "model.full_state_dict()" in message
+        assert len(message.splitlines()) == 1
 
 
 def torchrun(script: str, *args: str, cwd) -> subprocess.CompletedProcess:

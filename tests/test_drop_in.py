@@ -5,7 +5,9 @@ The matrix (drop_in_cases.py): our strategies (ddp, zero1-3 at 2 ranks; hsdp2/3 
 at 4 ranks) and the native ones as references (ZeroRedundancyOptimizer, fully_shard) x the
 idioms (torch.compile before wrapping and of the wrapper, torch's clip_grad_norm_, a hand-made
 gradient-norm log, state_dict right after the step, load_state_dict mid-run, a gradient
-penalty, inference and eval() between steps, two forwards before one backward) and the models
+penalty, inference and eval() between steps, two forwards before one backward, accumulation
+switched by `model.require_backward_grad_sync = ...` (nanoGPT) or FSDP2's
+`set_requires_gradient_sync`) and the models
 (dict / namedtuple outputs, activation checkpointing, a parameter unused on some steps, frozen
 parameters, tied weights, BatchNorm buffers, torchvision's resnet18; Hugging Face's GPT-2 where
 transformers is installed).
@@ -22,7 +24,8 @@ from drop_in_cases import expected, matrix
 OURS_2 = ["ddp", "zero1", "zero2", "zero3"]
 NATIVE = ["native_zero1", "native_fsdp"]
 IDIOMS = ["plain", "compile_inner", "compile_outer", "torch_clip", "grad_norm_log", "state_dict",
-          "load_state_dict", "grad_penalty", "inference_between", "eval_between", "two_forwards"]
+          "load_state_dict", "grad_penalty", "inference_between", "eval_between", "two_forwards", "toggle",
+          "fsdp_toggle"]
 MODELS = ["dict", "namedtuple", "checkpoint", "unused", "unused_on_one_rank", "frozen", "batchnorm", "gpt",
           "resnet18"]
 COMPILE = ["compile_inner", "compile_outer"]
@@ -31,8 +34,10 @@ COMPILE = ["compile_inner", "compile_outer"]
 # DTensors, and it refuses double backward; its compiled forms need compiled autograd; a parameter
 # used on some ranks only makes its reduce_scatters differ in order across ranks (a gloo abort);
 # it keeps each rank's own BatchNorm statistics (no buffer broadcast), unlike DDP.
+# fully_shard has no require_backward_grad_sync (its switch is set_requires_gradient_sync, the
+# fsdp_toggle cell).
 NATIVE_SKIP = {("native_fsdp", i) for i in ("state_dict", "load_state_dict", "grad_penalty", *COMPILE,
-                                                "unused_on_one_rank", "batchnorm", "resnet18")}
+                                                "unused_on_one_rank", "batchnorm", "resnet18", "toggle")}
 
 
 def cells(strategies, idioms=IDIOMS, models=MODELS):

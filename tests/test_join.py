@@ -8,10 +8,29 @@ leaves on that rank. Under ShardedDataParallel (stages 1-3) the ranks that left 
 stepping their shards, so every rank ends with what native DDP's longest-training rank ends with.
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, make_optimizer, max_rel_diff, perturbed
+
+
+def accumulating(wrapped, wrapper_name: str, step: int, sync: bool):
+    """Native: no_sync() for every micro-batch but a step's last. Ours: the same at even steps, and
+    nanoGPT's `model.require_backward_grad_sync = sync` at odd ones (the two spellings, one switch)."""
+    if sync:
+        return contextlib.nullcontext()
+    if wrapper_name == "ours" and step % 2:
+        wrapped.require_backward_grad_sync = False
+        return _sync_after(wrapped)
+    return wrapped.no_sync()
+
+
+@contextlib.contextmanager
+def _sync_after(wrapped):
+    yield
+    wrapped.require_backward_grad_sync = True
 
 
 def uneven_run(wrapper_name: str, model: str, accumulate: int):
@@ -37,9 +56,7 @@ def uneven_run(wrapper_name: str, model: str, accumulate: int):
             for micro in range(accumulate):
                 x, y = global_batch(model, 100 * rank + step, micro, n)
                 x, y = x[:PER_RANK_BATCH], y[:PER_RANK_BATCH]
-                sync = micro == accumulate - 1
-                ctx = wrapped.no_sync() if not sync else torch.enable_grad()
-                with ctx:
+                with accumulating(wrapped, wrapper_name, step, sync=micro == accumulate - 1):
                     (loss_fn(model, wrapped(x), y) / accumulate).backward()
             opt.step()
             opt.zero_grad()
@@ -94,8 +111,7 @@ def sharded_uneven_run(wrapper_name: str, model: str, accumulate: int, clip: flo
             for micro in range(accumulate):
                 x, y = global_batch(model, 100 * rank + step, micro, n)
                 x, y = x[:PER_RANK_BATCH], y[:PER_RANK_BATCH]
-                ctx = wrapped.no_sync() if micro < accumulate - 1 else torch.enable_grad()
-                with ctx:
+                with accumulating(wrapped, wrapper_name, step, sync=micro == accumulate - 1):
                     (loss_fn(model, wrapped(x), y) / accumulate).backward()
             if clip:
                 clip_fn(clip)

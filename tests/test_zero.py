@@ -417,3 +417,31 @@ def two_backwards_one_step(stage: int):
 def test_gradients_accumulate_across_synced_backwards(ranks, stage):
     for rel, where in ranks(2).run(two_backwards_one_step, stage):
         assert rel <= 1e-6, (rel, where)
+
+
+def forward_on_rank0_alone():
+    """Rank 0 runs a stage-3 forward that rank 1 never joins (it is busy elsewhere): rank 0 stops
+    within the shard group's timeout (2 s here), naming what to do."""
+    import datetime
+    import time
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=2))
+    model = minidist.ShardedDataParallel(build("gpt"), zero_cases.OPTIMIZERS["sgd"], stage=3, process_group=group,
+                                         **STAGE_KW[3])
+    if dist.get_rank() == 1:
+        time.sleep(4)
+        return "elsewhere"
+    start = time.monotonic()
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, 64, (2, 8)))
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return "no error"
+
+
+def test_a_stage3_forward_no_other_rank_joins_fails_within_the_timeout(ranks):
+    (seconds, message), _ = ranks(2).run(forward_on_rank0_alone)
+    assert seconds < 4, seconds
+    assert "forward #1 on rank 0 found no matching forward on the other ranks" in message
+    assert "run the evaluation on every rank" in message

@@ -63,12 +63,18 @@ def verify(op: str, nbytes: int, dtype, group) -> None:
     _state["sequence"][key] = seq
     code = _OPS.index(op) if op in _OPS else len(_OPS)
     dtype_code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
-    mine = torch.tensor([seq, code, dtype_code, int(nbytes)], dtype=torch.int64, device=control_device(group))
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, mine, group=group)
-    rows = [r.tolist() for r in rows]
+    rows = exchange([seq, code, dtype_code, int(nbytes)], group)
     if any(r != rows[0] for r in rows):
         ranks = [dist.get_global_rank(group, k) if group is not None else k for k in range(len(rows))]
         issued = "; ".join(f"rank {r} issued {_describe(row)}" for r, row in zip(ranks, rows))
         raise CollectiveMismatch(f"the ranks disagree on the next collective: {issued}. Every rank must issue "
                                  "the same collectives in the same order (look for rank-dependent control flow)")
+
+
+def exchange(values: list[int], group=None) -> list[list[int]]:
+    """Every rank's `values` (a few integers), in group rank order: one small all_gather, untraced
+    (control messages, as the fingerprints above and stage 3's forward agreement)."""
+    mine = torch.tensor(values, dtype=torch.int64, device=control_device(group))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    return [r.tolist() for r in rows]

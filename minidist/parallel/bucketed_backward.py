@@ -27,9 +27,29 @@ from minidist.parallel.sharded_grad import local_grad
 
 
 class GradientSyncSwitch:
-    """`no_sync()` for every strategy: while off, gradient hooks leave .grad to accumulate locally."""
+    """Whether a backward reduces gradients, in the three spellings scripts use, one switch:
+
+        with model.no_sync(): ...                          # native DDP's context
+        model.require_backward_grad_sync = (micro == last) # native DDP's attribute (nanoGPT's idiom)
+        model.set_requires_gradient_sync(False)            # FSDP2's call
+
+    While off, gradient hooks leave .grad to accumulate locally; the next backward with it on
+    reduces the sum."""
 
     _sync_enabled: bool = True
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Native DDP's switch (what its no_sync() sets): False, and backward accumulates locally."""
+        return self._sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._sync_enabled = bool(value)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's spelling of the same switch (`recurse` is accepted: one wrapper holds every unit)."""
+        self._sync_enabled = bool(requires_gradient_sync)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -26,9 +26,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from minidist.buckets import BufferPool
+from minidist.comm.check import exchange
 from minidist.comm.wire import QUANT_BLOCK
 from minidist.parallel.eager import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
@@ -40,6 +42,10 @@ from minidist.parallel.zero_join import tensors_in
 
 
 SIZE_RULE_PARAMS = 100_000  # the default's fallback for a model without repeated blocks
+ONE_RANK_FORWARD = ("At stage 3 every forward gathers each unit's parameters from every rank, so every rank must run "
+                    "it: run the evaluation on every rank, or for rank-0-only use load model.full_state_dict() (a "
+                    "collective: every rank calls it) into a plain copy of the model. Native FSDP2 cannot run it "
+                    "on one rank either.")
 
 
 def repeated_blocks(module: nn.Module, wanted: set[int]) -> set[int]:
@@ -188,6 +194,7 @@ class ZeroStage3(ShardedDataParallel):
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(self._make_post_accumulate(i))
         self._sync_enabled = True
+        self._forwards = 0  # this rank's forwards, which every rank of the shard group runs alike
         self._in_backward = False
         self._order: list[_Unit] = []          # units in the order this forward ran them
         self._last_order: list[_Unit] = []     # ... and the previous forward (for prefetching)
@@ -243,6 +250,7 @@ class ZeroStage3(ShardedDataParallel):
 
     @eager
     def _enter_forward(self) -> None:
+        self._agree_on_forward()
         self._order = []
         if self._secondary is not None:
             self._secondary.drop()  # a forward whose backward never came: its copies go
@@ -250,6 +258,31 @@ class ZeroStage3(ShardedDataParallel):
             self._unshard(self._root)
         if self._last_order:
             self._prefetch(self._last_order[0])
+
+    def _agree_on_forward(self) -> None:
+        """Every rank of the shard group runs this forward, or every one raises saying so: a forward
+        on one rank only (rank-0 evaluation between steps) would issue its gathers against the other
+        ranks' training collectives, and gloo would abort both with a size mismatch naming nothing.
+        One 24-byte all_gather per forward, on the host (gloo). On NCCL it is skipped: reading it would
+        stall the device's queue every forward; there the collective timeout and NCCL's flight
+        recorder name the stuck gather instead."""
+        if self.world_size == 1 or dist.get_backend(self.process_group) != "gloo":
+            return
+        self._forwards += 1
+        mine = [self._forwards, int(torch.is_grad_enabled()), int(self.training)]
+        try:
+            rows = exchange(mine, self.process_group)
+        except RuntimeError as e:  # the others were in another collective, or never came
+            raise RuntimeError(f"ShardedDataParallel(stage=3): forward #{mine[0]} on rank {dist.get_rank()} found no "
+                               f"matching forward on the other ranks ({str(e).splitlines()[0][:120]}). "
+                               + ONE_RANK_FORWARD) from None
+        if any(row != rows[0] for row in rows):
+            ranks = [dist.get_global_rank(self.process_group, k) if self.process_group is not None else k
+                     for k in range(len(rows))]
+            seen = "; ".join(f"rank {r}: forward #{n}, {'with grad' if g else 'no_grad'}, "
+                             f"{'train' if t else 'eval'}" for r, (n, g, t) in zip(ranks, rows))
+            raise RuntimeError(f"ShardedDataParallel(stage=3): the ranks are not running the same forward ({seen}). "
+                               + ONE_RANK_FORWARD)
 
     @eager
     def _leave_forward(self, out) -> None:
