@@ -66,11 +66,11 @@ def test_a_registered_elementwise_optimizer_trains_as_under_native_ddp(ranks):
 
 
 @pytest.mark.parametrize("kind", SHARDED)
-def test_the_rank0_optimizer_snapshot_is_refused_on_the_other_ranks(ranks, kind):
+def test_the_rank0_optimizer_snapshot_is_refused_when_it_is_saved(ranks, kind):
     rank0, rank1 = ranks(2).run(cases.rank0_optimizer_snapshot, kind)
-    assert rank0 == "loaded"  # its own shard
-    assert "shard of rank 0 of 2" in rank1 and "this optimizer is the shard of rank 1" in rank1
-    assert "model.full_optim_state_dict()" in rank1
+    assert "holds only this rank's shard" in rank0, rank0
+    assert "model.full_optim_state_dict(rank0_only=True)" in rank0 and "model.sharded_state_dict()" in rank0
+    assert rank1 == "not asked"
 
 
 @pytest.mark.parametrize("kind", ["ddp", *SHARDED])

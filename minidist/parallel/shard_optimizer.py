@@ -21,10 +21,11 @@ ones. Adafactor, Muon and LBFGS are not, and are refused; a class of your own is
 you declare it element-wise (`register_elementwise_optimizer`).
 
 State dicts, as scripts use them:
-- `optimizer.state_dict()` holds this rank's shard, tagged with its place (rank, ranks, stage,
-  layout). `optimizer.load_state_dict()` loads it back at the same place and refuses any other
-  (the rank-0 snapshot every rank loads would otherwise give each rank rank 0's shard: the
-  padded shards have equal shapes, so nothing else would notice).
+- `optimizer.state_dict()` is refused when called, naming the two that work: it would hold this
+  rank's shard only, which a plain optimizer (the snapshot loaded before wrapping) cannot load and
+  a rank-0 snapshot would hand every rank (the padded shards have equal shapes: nothing else would
+  notice). A per-piece state carries its place (rank, ranks, stage, layout) under TAG, and loads
+  only there.
 - `full_state_dict()` (a collective) is the state an unsharded optimizer over the user's
   parameters would hold, numbered as its groups list them: what a native DDP script's
   `optimizer.state_dict()` saves. `optimizer.load_state_dict()` of such a full state (ours, or
@@ -54,7 +55,14 @@ NOT_ELEMENTWISE = {
     "LBFGS": "takes one line-search step over all parameters at once, with a closure",
     "SparseAdam": "needs sparse gradients",
 }
-TAG = "minidist_shard"  # the key of the place tag in a per-rank optimizer state_dict
+TAG = "minidist_shard"  # the key of the place tag in a per-piece state dict (packed(), and earlier per-rank files)
+SHARD_STATE_DICT = (
+    "ShardedDataParallel: model.optimizer holds only this rank's shard of the optimizer state, so its state_dict() "
+    "would restore no other rank: a plain optimizer cannot load it (before wrapping torch fails on its group sizes) "
+    "and a rank-0 snapshot would give every rank rank 0's shard. For one file: "
+    "model.full_optim_state_dict(rank0_only=True) on every rank (a collective), torch.save on rank 0; it loads into "
+    "the plain optimizer before wrapping or after, at any world size, and into native DDP. For one file per rank: "
+    "model.sharded_state_dict().")
 
 
 def register_elementwise_optimizer(cls: type) -> type:
@@ -147,7 +155,7 @@ class ShardOptimizer:
             last["params"].append(extra_param)
             if "param_names" in last:
                 last["param_names"].append("<found-inf agreement>")
-        self.optimizer.register_state_dict_post_hook(self._tag)
+        self.optimizer.register_state_dict_pre_hook(self._refuse_shard_state_dict)
         self.optimizer.register_load_state_dict_pre_hook(self._check_or_recut)
         if held is not None:  # a full state, re-cut (see _check_or_recut)
             try:
@@ -160,25 +168,24 @@ class ShardOptimizer:
 
     # ------------------------------------------------------------------ per-rank state dicts
 
-    def _tag(self, optimizer, state_dict: dict) -> dict:
-        state_dict[TAG] = dict(self.place)
-        return state_dict
+    @staticmethod
+    def _refuse_shard_state_dict(optimizer) -> None:
+        """optimizer.state_dict() is refused when it is called (rank 0 saving a snapshot), not when a
+        plain optimizer fails to load the file much later with torch's "doesn't match the size of
+        optimizer's group" (as ZeroRedundancyOptimizer refuses until consolidate_state_dict)."""
+        raise RuntimeError(SHARD_STATE_DICT)
 
     def _check_or_recut(self, optimizer, state_dict: dict) -> dict:
         saved = state_dict.get(TAG)
         if saved is None:
             return self.shard_of_full(state_dict)
-        if saved != self.place:
+        if saved != self.place:  # a per-rank file an earlier minidist wrote, of another rank
             raise ValueError(
                 f"optimizer.load_state_dict: this state is the shard of rank {saved.get('rank')} of "
                 f"{saved.get('ranks')} under ShardedDataParallel(stage={saved.get('stage')}), but this optimizer is "
                 f"the shard of rank {self.place['rank']} of {self.place['ranks']} (stage {self.place['stage']})"
-                + ("" if saved.get("layout") == self.place["layout"] else ", with another layout") +
-                ". A ZeRO optimizer's state_dict() holds only its own rank's shard, so a file saved by one rank "
-                "cannot restore the others. For one file every rank can load, save model.full_optim_state_dict() "
-                "(a collective: call it on every rank, then torch.save on rank 0) and load it with "
-                "optimizer.load_state_dict() on every rank; or save each rank's optimizer.state_dict() to a file "
-                "of its own; or use model.sharded_state_dict() (reloads at any world size).")
+                + ("" if saved.get("layout") == self.place["layout"] else ", with another layout") + ". "
+                + SHARD_STATE_DICT)
         return {k: v for k, v in state_dict.items() if k != TAG}
 
     # ------------------------------------------------------------------ the sharded checkpoint
