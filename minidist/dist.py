@@ -10,14 +10,18 @@ fake torchrun / SLURM environments without starting anything.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import re
+import select
+import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -217,6 +221,51 @@ def rendezvous_failure(error: BaseException, rank: int, world_size: int, timeout
     return f"{where} failed: {text.splitlines()[0][:300] if text else type(error).__name__}"
 
 
+@contextlib.contextmanager
+def _bounded(timeout_s: float, why: Callable[[], str]):
+    """Leave the process if the body is still running after `timeout_s`, or at once on a stop signal,
+    saying why in one line on stderr.
+
+    torch's store client does not bound its handshake: a rendezvous port held by a listener that
+    accepts and never answers blocks the rank inside init_process_group, in C, where neither a
+    timeout nor a Python signal handler (the trainer's SIGTERM) ever runs. A watcher thread sees
+    the time run out, and the signal through Python's wakeup fd, which the C handler writes to."""
+    wake_r, wake_w = os.pipe()
+    done_r, done_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    try:
+        previous = signal.set_wakeup_fd(wake_w)  # the main thread only: elsewhere, time alone
+    except ValueError:
+        previous = None
+
+    def watch() -> None:
+        ready, _, _ = select.select([wake_r, done_r], [], [], timeout_s)
+        if done_r in ready:
+            return
+        if wake_r in ready:
+            signum = os.read(wake_r, 1)[0]
+            name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
+            print(f"error: stopped by {name} during the rendezvous (rank "
+                  f"{os.environ.get('RANK', os.environ.get('SLURM_PROCID', '?'))}): nothing was trained",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        print(f"error: {why()}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watcher = threading.Thread(target=watch, name="minidist-rendezvous-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(done_w, b"x")
+        watcher.join()
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+            # a signal that came meanwhile is Python's to handle now: its handler runs as usual
+        for fd in (wake_r, wake_w, done_r, done_w):
+            os.close(fd)
+
+
 _CONTEXT: DistContext | None = None
 
 
@@ -248,9 +297,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
             os.environ.setdefault("MASTER_ADDR", info.master_addr)
             os.environ.setdefault("MASTER_PORT", str(info.master_port))
             try:
-                store = _restart_safe_store(timeout)
-                dist.init_process_group(backend, **({"store": store} if store else {"init_method": "env://"}),
-                                        rank=info.rank, world_size=info.world_size, timeout=timeout, **eager)
+                with _bounded(timeout_s, lambda: rendezvous_failure(TimeoutError(f"no answer, timed out after "
+                                                                                 f"{timeout_s:g} s"),
+                                                                    info.rank, info.world_size, timeout_s)):
+                    store = _restart_safe_store(timeout)
+                    dist.init_process_group(backend, **({"store": store} if store else {"init_method": "env://"}),
+                                            rank=info.rank, world_size=info.world_size, timeout=timeout, **eager)
             except Exception as e:  # noqa: BLE001 - re-raised with the cause and the fix named
                 raise RendezvousError(rendezvous_failure(e, info.rank, info.world_size, timeout_s)) from e
     _CONTEXT = DistContext(

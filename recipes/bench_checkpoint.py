@@ -20,10 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from minidist.benchmarking import paired_ratio, write_json
+from minidist.train.app import hydra_app
 
 ROOT = Path(__file__).resolve().parent.parent
 WAYS = {"sync": "false", "async": "true"}
@@ -42,7 +42,7 @@ def one_run(cfg: DictConfig, way: str, run_dir: Path) -> dict:
     return {"blocked_s": s["checkpoint/blocked_s"], "write_s": s["checkpoint/write_s"], "step_s": s["time/step_s"]}
 
 
-@hydra.main(config_path="../configs", config_name="bench_checkpoint", version_base="1.3")
+@hydra_app("bench_checkpoint")
 def main(cfg: DictConfig) -> None:
     out_dir = Path(cfg.out).parent
     runs: dict[str, list[dict]] = {way: [] for way in WAYS}

@@ -25,7 +25,6 @@ import statistics
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +32,7 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import require_known, slowest
 from minidist.launch import run_recipe
+from minidist.train.app import hydra_app
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")
 
@@ -223,7 +223,7 @@ def bench_main(cfg_dict: dict) -> None:
     minidist.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="bench_collectives", version_base="1.3")
+@hydra_app("bench_collectives")
 def main(cfg: DictConfig) -> None:
     require_known("ops", cfg.ops, OPS)
     run_recipe(bench_main, cfg, path_keys=("out_dir",))

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +32,7 @@ from minidist import comm
 from minidist.benchmarking import bootstrap_median_ci, require_known, rotated, slowest, variant_spec, write_json
 from minidist.launch import run_recipe
 from minidist.train.models import GPT, count_parameters
+from minidist.train.app import hydra_app
 
 VARIANTS = ["native_ddp", "ddp", "zero1", "zero2", "zero3", "native_ddp_eager"]
 REFERENCE = "native_ddp"
@@ -138,7 +138,7 @@ def bench_main(cfg_dict: dict) -> None:
     minidist.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="bench_compile", version_base="1.3")
+@hydra_app("bench_compile")
 def main(cfg: DictConfig) -> None:
     require_known("variants", cfg.variants, VARIANTS)
     require_known("placement", [cfg.placement], ["outer", "inner"])

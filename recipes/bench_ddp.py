@@ -18,7 +18,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -28,6 +27,7 @@ from minidist import comm
 from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
 from minidist.train.models import GPT, count_parameters
+from minidist.train.app import hydra_app
 
 VARIANTS = {
     # name: (kind, DataParallel / DDP keyword arguments)
@@ -163,7 +163,7 @@ def bench_main(cfg_dict: dict) -> None:
     minidist.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="bench_ddp", version_base="1.3")
+@hydra_app("bench_ddp")
 def main(cfg: DictConfig) -> None:
     require_known("variants", cfg.variants, VARIANTS)
     run_recipe(bench_main, cfg, path_keys=("out",))

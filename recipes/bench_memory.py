@@ -12,18 +12,18 @@ units the strategy keeps), their ratio, and whether RSS <= 1.15 x formula + 8 Mi
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
 from minidist.benchmarking import require_known, write_json
 from minidist.rss import launch_fresh, measure_state_rss, within_target
 from minidist.train.strategies import split_variant
+from minidist.train.app import hydra_app
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
               "zero1_backend", "zero2_backend", "zero3_backend"]
 
 
-@hydra.main(config_path="../configs", config_name="bench_memory", version_base="1.3")
+@hydra_app("bench_memory")
 def main(cfg: DictConfig) -> None:
     require_known("strategies", cfg.strategies, STRATEGIES)
     psi = None

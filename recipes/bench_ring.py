@@ -17,7 +17,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +24,7 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.launch import run_recipe
+from minidist.train.app import hydra_app
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")  # those the ring implements
 
@@ -78,7 +78,7 @@ def bench_main(cfg_dict: dict) -> None:
     minidist.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="bench_ring", version_base="1.3")
+@hydra_app("bench_ring")
 def main(cfg: DictConfig) -> None:
     require_known("ops", cfg.ops, OPS)
     run_recipe(bench_main, cfg, path_keys=("out",))

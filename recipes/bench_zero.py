@@ -22,7 +22,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +32,7 @@ from minidist.launch import run_recipe
 from minidist.memory import live_tensor_bytes
 from minidist.train.models import GPT
 from minidist.train.strategies import build_strategy, split_variant, strategy_options
+from minidist.train.app import hydra_app
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
             "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring
@@ -145,7 +145,7 @@ def bench_main(cfg_dict: dict) -> None:
     minidist.shutdown()
 
 
-@hydra.main(config_path="../configs", config_name="bench_zero", version_base="1.3")
+@hydra_app("bench_zero")
 def main(cfg: DictConfig) -> None:
     require_known("variants", cfg.variants, VARIANTS)
     run_recipe(bench_main, cfg, path_keys=("out",))

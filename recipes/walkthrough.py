@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.profiler import record_function
@@ -32,6 +31,7 @@ from minidist.benchmarking import slowest
 from minidist.launch import run_recipe
 from minidist.train.models import GPT
 from minidist.walkthrough import STEPS, Zero1DataParallel
+from minidist.train.app import hydra_app
 
 
 def build(name: str, net: torch.nn.Module, cfg):
@@ -140,7 +140,7 @@ def drifted(out_dir: Path) -> list[str]:
     return [n for n, r in results["rows"].items() if r["max_diff"] > results["tolerance"]]
 
 
-@hydra.main(config_path="../configs", config_name="walkthrough", version_base="1.3")
+@hydra_app("walkthrough")
 def main(cfg: DictConfig) -> None:
     run_recipe(walkthrough_main, cfg, path_keys=("out_dir",))
     bad = drifted(Path(cfg.out_dir).absolute())

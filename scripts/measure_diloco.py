@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="minidist-diloco-") as tmp:
         for k, (name, overrides) in enumerate(variants(a.sync_every).items()):
             s = run_variant(overrides, a.steps, Path(tmp) / str(k))
-            print(f"{name}: val {s['val/loss']:.4f}, {s['comm/mean_bytes_per_step']:,.0f} B/step", flush=True)
+            print(f"{name}: val {s['val/loss']:.4f}, {s['comm/bytes_per_step']:,.0f} B/step", flush=True)
             h = next((int(o.split("=")[1]) for o in overrides if o.startswith("strategy.sync_every=")), 1)
             runs.append({"variant": name, "overrides": overrides, "sync_every": h, "val_loss": s["val/loss"],
-                         "train_loss": s["train/loss"], "bytes_per_step": s["comm/mean_bytes_per_step"],
+                         "train_loss": s["train/loss"], "bytes_per_step": s["comm/bytes_per_step"],
                          "model_state_bytes": s["memory/model_state_bytes"], "parameters": s["parameters"],
                          "world_size": s["config"]["world_size"]})
     psi, n = runs[0]["parameters"], runs[0]["world_size"]

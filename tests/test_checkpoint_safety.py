@@ -19,7 +19,7 @@ import torch
 
 from minidist.train import checkpoint
 from minidist.train.checkpoint import latest_checkpoint
-from minidist.train.config_check import check_resume_matches
+from minidist.train.config_check import check_run_fits, verified
 from minidist.train.manifest import ManifestMismatch, write_manifest
 from minidist.train.safe_load import CheckpointRefused
 from train_cases import PYTHON, RECIPE, ROOT, compose_cfg, tiny, tiny_overrides, train_on_rank
@@ -74,7 +74,7 @@ def test_tampered_file_is_refused_by_resume_and_consolidate(checkpoints, kind, n
     ckpt, marker = tampered(checkpoints, kind, name, tmp_path)
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", *overrides, strategy=strategy))
     with pytest.raises(CheckpointRefused, match=rf"{name.split('/')[-1]} was not loaded: .* nothing in it was run"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
@@ -91,7 +91,7 @@ def test_a_changed_file_fails_the_manifest(checkpoints, kind, tmp_path):
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", *KINDS[kind][1], strategy=KINDS[kind][0]))
     with pytest.raises(ManifestMismatch, match=rf"{name} (has \d+ bytes, its manifest says \d+|does not match the "
                                                r"sha256 in its manifest).* none of the checkpoint was loaded"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "out.pt")]) == 2
@@ -105,10 +105,10 @@ def test_a_missing_file_or_manifest_is_named(checkpoints, tmp_path):
     shutil.copytree(checkpoints["full"], ckpt)
     (ckpt / "rank00001.pt").unlink()
     with pytest.raises(ManifestMismatch, match="rank00001.pt is missing .* incomplete"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
     (ckpt / "manifest.json").unlink()
     with pytest.raises(ManifestMismatch, match="manifest.json is missing or unreadable"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
 
 
 def test_a_truncated_file_is_named(checkpoints, tmp_path):
@@ -118,10 +118,10 @@ def test_a_truncated_file_is_named(checkpoints, tmp_path):
     (ckpt / "meta.pt").write_bytes(data[: len(data) // 2])
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2"))
     with pytest.raises(ManifestMismatch, match=rf"meta.pt has {len(data) // 2} bytes, its manifest says {len(data)}"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
     write_manifest(ckpt)  # truncated before the manifest was written: the reader still names it
     with pytest.raises(CheckpointRefused, match="meta.pt could not be read .* truncated"):
-        check_resume_matches(cfg, ckpt, 2)
+        check_run_fits(cfg, verified(ckpt), 2)
 
 
 def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path):

@@ -39,3 +39,13 @@ def test_checkpoint_info_verifies_the_files_and_says_what_it_holds(ranks, tmp_pa
 
 def test_the_configs_are_the_repository_s_in_a_checkout():
     assert config_dir() == ROOT / "configs"  # a wheel carries its copy as minidist/_configs (test_wheel.py)
+
+
+def test_help_imports_no_torch():
+    """`minidist --help` answers at once: no torch import (it took 9 s on a cold machine)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from minidist import cli; cli.main(['--help']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr

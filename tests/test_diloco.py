@@ -179,8 +179,9 @@ def test_shard_size_needs_inner_ddp(ranks, tmp_path):
 @pytest.mark.parametrize("inner", ["ddp", pytest.param("zero2", marks=pytest.mark.slow(
     stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured[zero3]")), "zero3"])
 def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
-    """2 workers of 2 ranks, H = 4, 16 steps: the tracer's bytes a step over the run equal the
-    spec's theory (as strategy.inner configures it) averaged over the round; the outer state
+    """2 workers of 2 ranks, H = 4, 16 steps: the tracer's bytes a step over the run (the summary's:
+    its last log window, step 16 alone, sent a round's all_reduce) equal the spec's theory (as
+    strategy.inner configures it) averaged over the round; the outer state
     measured is 8 bytes a parameter / S, and so is Adam's state under ZeRO within the worker."""
     pool = ranks(4)
     out = run(pool, tmp_path, "mesh", "strategy.sync_every=4", f"strategy.inner={inner}", "strategy.shard_size=2",
@@ -189,10 +190,10 @@ def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
     for rank, r in enumerate(out):
         n_params = r["summary"]["parameters"]
         theory = s.wire_bytes(n_params, 4, shard=2, sync_every=4)
-        measured = {op: r["summary"].get(f"comm/mean_{op}_bytes_per_step", 0.0) for op in theory}
+        measured = {op: r["summary"].get(f"comm/{op}_bytes_per_step", 0.0) for op in theory}
         # nothing the theory leaves out (but DataParallel's broadcast of the buffers, which no spec prices)
         assert set(theory) == {op for op in ("all_reduce", "reduce_scatter", "all_gather")
-                               if r["summary"].get(f"comm/mean_{op}_bytes_per_step")}, (rank, theory)
+                               if r["summary"].get(f"comm/{op}_bytes_per_step")}, (rank, theory)
         for op, b in theory.items():
             assert measured[op] == pytest.approx(b, rel=0.01), (rank, op, measured, theory)
         # outer weights and momentum: 2 fp32 slices of Psi/S (each fragment padded to a multiple of S,
@@ -214,7 +215,7 @@ def test_quality_at_a_shortened_length(ranks, tmp_path):
     ddp = run(pool, tmp_path, "ddp", *common, strategy="ddp")[0]["summary"]
     diloco = run(pool, tmp_path, "diloco", *common, "strategy.sync_every=8", strategy="diloco")[0]["summary"]
     assert diloco["val/loss"] <= 1.03 * ddp["val/loss"], (diloco["val/loss"], ddp["val/loss"])
-    assert diloco["comm/mean_bytes_per_step"] <= ddp["comm/mean_bytes_per_step"] / 8
+    assert diloco["comm/bytes_per_step"] <= ddp["comm/bytes_per_step"] / 8
 
 
 @pytest.mark.slow(stand_in="test_train_strategies.py::test_resume_is_exact_and_consolidates[diloco]")

@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,173 @@ def test_a_killed_rank_is_named_first_on_the_console(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     assert ("error: training failed on rank(s) [1] first (rank 1 killed by SIGKILL); then rank(s) [0], waiting for "
             "it") in out.stderr, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- issue 40: hostile run directories
+
+
+def plant(link: Path, target: Path, is_dir: bool = False) -> Path:
+    """A symbolic link at `link` (its folder made) to `target`, which holds known content."""
+    if is_dir:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "theirs.txt").write_text("not the run's")
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("not the run's")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=is_dir)
+    return target
+
+
+def contents(folder: Path) -> dict:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("where, is_dir, extra", [
+    ("run.lock", False, ()), ("logs/rank_0.log", False, ()), ("logs/rank_1.console", False, ()),
+    ("tensorboard", True, ()), ("checkpoints", True, ()), ("checkpoints/.step_00000002.tmp", True, ()),
+    ("samples/rank_0.txt", False, ("trainer.log_samples=true",)), ("samples", True, ("trainer.log_samples=true",)),
+])
+def test_a_link_planted_where_the_run_writes_is_refused_before_any_rank_starts(tmp_path, capsys, where, is_dir,
+                                                                                 extra):
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    plant(run_dir / where, outside / "target", is_dir)
+    before = contents(outside)
+    assert launch(compose_cfg(tiny_overrides("trainer.max_steps=2", *extra)), run_dir) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and f"{run_dir / where} is a symbolic link" in lines[0], \
+        lines
+    assert contents(outside) == before and not (run_dir / "config.yaml").exists()  # no rank started
+
+
+def test_files_the_run_rewrites_replace_a_planted_link_and_never_write_through_it(ranks, tmp_path):
+    """config.yaml and summary.json, planted as links before a run: the run writes its own files in
+    their place (renamed over the links), what they pointed to is untouched; a late `.step_N.tmp` link
+    (planted after the start-up check) stops the save on every rank, naming the link; and appending
+    to a planted log refuses it."""
+    from minidist.testing import RankFailure
+    from minidist.train.run_lock import PlantedLink, append_file
+
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    for name in ("config.yaml", "summary.json"):
+        plant(run_dir / name, outside / name)
+    before = contents(outside)
+    ranks(2).run(train_on_rank, tiny("trainer.max_steps=2"), str(run_dir), timeout_s=240)
+    assert contents(outside) == before
+    for name in ("config.yaml", "summary.json"):
+        assert not (run_dir / name).is_symlink() and (run_dir / name).read_text() != "not the run's"
+    plant(run_dir / "checkpoints" / ".step_00000004.tmp", outside / "tmp", is_dir=True)
+    with pytest.raises(RankFailure, match=r"\.step_00000004\.tmp is a symbolic link .* where this run writes its "
+                                          r"checkpoint"):
+        ranks(2).run(train_on_rank, tiny("trainer.max_steps=4"), str(run_dir), timeout_s=240)
+    plant(run_dir / "logs" / "planted.log", outside / "planted.log")
+    with pytest.raises(PlantedLink, match="planted.log is a symbolic link"):
+        append_file(run_dir / "logs" / "planted.log")
+    assert contents(outside) == {**before, **contents(outside / "tmp"), outside / "planted.log": b"not the run's"}
+
+
+def test_a_diverged_run_stops_in_one_line_and_keeps_the_checkpoint_from_before_it(tmp_path):
+    """An absurd learning rate: the loss jumps at step 2 (the update of step 1 made it), so step 1's
+    checkpoint holds diverged weights: it is set aside, the run stops in one line naming what to do,
+    exit 1, and the checkpoint from before (step 0 has none: here none) is never pruned."""
+    out = recipe("optim.lr=1000", "optim.warmup_steps=0", "trainer.ckpt_every=1", "trainer.keep_last=1",
+                 "trainer.max_steps=8", "trainer.log_every=2", f"hydra.run.dir={tmp_path}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 1, out.stderr[-3000:]
+    assert "step 2: the run diverged: train loss" in lines[0] and "trainer.diverged_loss (0: off)" in lines[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001.diverged"]
+
+
+def test_updates_skipped_in_a_row_stop_the_run_before_it_checkpoints_their_state(ranks, tmp_path):
+    """The same learning rate with the loss guard off: the gradient norms turn inf and their updates
+    are skipped; checkpoints wait while they are; after 3 in a row the run stops, the checkpoint
+    before the divergence (step 1's update was its cause: set aside) never pruned by a later one."""
+    from minidist.testing import RankFailure
+    from minidist.train.checkpoint import list_checkpoints
+
+    with pytest.raises(RankFailure, match=r"the run diverged: its last 3 updates were all skipped for a non-finite"):
+        ranks(2).run(train_on_rank, tiny("optim.lr=1000", "optim.warmup_steps=0", "trainer.diverged_loss=0",
+                                         "trainer.ckpt_every=1", "trainer.keep_last=1", "trainer.max_steps=10",
+                                         "trainer.log_every=1"), str(tmp_path), timeout_s=240)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert list_checkpoints(tmp_path) == [] and all(n.endswith(".diverged") for n in names) and names, names
+
+
+def test_a_read_only_checkpoints_folder_is_found_before_the_first_step(tmp_path, capsys):
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("chattr +i (an immutable folder, read-only for root too) is not supported on this file system")
+    try:
+        assert launch(compose_cfg(tiny_overrides("trainer.max_steps=2")), tmp_path / "run") == 2
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"the folder {folder} cannot be written" in lines[0], lines
+    assert "found before the first step" in lines[0] and not (tmp_path / "run" / "logs" / "rank_0.log").exists()
+
+
+def test_a_data_set_smaller_than_one_global_batch_is_refused_before_anything_is_written(tmp_path, capsys):
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
+
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", "data.max_bytes=20000", "trainer.grad_accum=100"))
+    assert launch(cfg, tmp_path / "run") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "fewer than one global batch (2 ranks x trainer.micro_batch_size=4 x 100" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rank_blocked_in_the_rendezvous_leaves_within_the_timeout_or_at_a_stop_signal(tmp_path):
+    """srun-style, rank 1 alone, its rendezvous port held by a listener that accepts and never
+    answers (torch's store client does not bound that handshake): a SIGTERM ends it at once with
+    143, and without one it leaves when launcher.timeout_s runs out; one line each."""
+    import signal
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        env = {**ENV, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_NNODES": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(s.getsockname()[1])}
+        for timeout_s, stop in ((60, True), (3, False)):
+            start = time.monotonic()
+            p = subprocess.Popen([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=2"),
+                                  f"launcher.timeout_s={timeout_s}", f"hydra.run.dir={tmp_path / str(timeout_s)}"],
+                                 cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if stop:
+                time.sleep(8)  # well inside the rendezvous (the imports take ~3 s)
+                p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=120)
+            lines = err.strip().splitlines()
+            assert len(lines) == 1, err[-3000:]
+            if stop:
+                assert p.returncode == 143 and "stopped by SIGTERM during the rendezvous (rank 1)" in lines[0]
+            else:
+                assert p.returncode == 1 and "rank 1 of 2: the rendezvous at MASTER_ADDR=127.0.0.1" in lines[0]
+                assert "was not reached within 3 s" in lines[0] and time.monotonic() - start < 60
+
+
+def test_a_sweep_checks_every_job_first_and_runs_every_job_after_one_fails(tmp_path):
+    bad = subprocess.run([PYTHON, str(RECIPE), "-m", *tiny_overrides("trainer.max_steps=2", "optim.lr=-1,1e-3"),
+                          f"hydra.sweep.dir={tmp_path / 'bad'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=180)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: job 0 (optim.lr=-1): optim (AdamW): Invalid learning rate: -1; fix the optim.* setting it names",
+        "sweep: 1 of 2 job(s) have settings to fix: nothing was launched"], bad.stderr[-3000:]
+    assert not (tmp_path / "bad").exists()
+    failing = subprocess.run([PYTHON, str(RECIPE), "-m", *tiny_overrides(
+        "trainer.max_steps=2", "trainer.nonfinite=stop,skip", "debug.nan_at_step=1"), f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in failing.stderr.splitlines() if line.startswith(("error: ", "sweep: "))]
+    assert failing.returncode == 1 and len(errors) == 2, failing.stderr[-3000:]
+    assert errors[0].startswith("error: job 0 (trainer.nonfinite=stop): rank 0 stopped after step 2: "
+                                "FloatingPointError: step 1: non-finite gradient norm"), errors
+    assert errors[1] == "sweep: 2 job(s), 1 done, 1 failed (job 0 (trainer.nonfinite=stop))"
+    assert (tmp_path / "1" / "summary.json").is_file()  # the job after the failed one ran

@@ -8,9 +8,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from minidist.train.checkpoint import latest_checkpoint, read_meta
-from minidist.train.config_check import validate
+from minidist.train.config_check import resume_notice, validate
 from minidist.train.errors import ConfigError
 from minidist.train.optim import lr_lambda
+from minidist.train.resume_changes import typed_keys
 from train_cases import compose_cfg, tiny, tiny_overrides, train_on_rank
 
 FIRST = ("trainer.max_steps=6",)
@@ -40,14 +41,16 @@ def test_settings_that_may_not_change_are_refused_in_one_line(run_dir, overrides
         assert "may not change on resume" in message and "new hydra.run.dir" in message
 
 
-def test_settings_that_may_change_are_listed_and_applied(ranks, run_dir, capsys):
+def test_settings_that_may_change_are_listed_and_applied(ranks, run_dir):
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=10", "optim.lr=0.5", "trainer.grad_clip=0.5"))
     ckpt = validate(cfg, 2, run_dir)
-    said = capsys.readouterr().out
-    assert ckpt == latest_checkpoint(run_dir)
-    assert "settings changed since step_00000006 was written: optim.lr 0.003 -> 0.5, trainer.grad_clip 1.0 -> 0.5, " \
-           "trainer.max_steps 6 -> 10 (applied from step 6)" in said, said
-    lr_at_6, end = ranks(2).run(resumed_lr, OmegaConf.to_container(cfg, resolve=True), str(run_dir), str(ckpt))[0]
+    line, to_train = resume_notice(cfg, ckpt)
+    assert ckpt == latest_checkpoint(run_dir) and to_train
+    assert line == "trainer.resume: settings changed since step_00000006 was written: optim.lr 0.003 -> 0.5, " \
+                   "trainer.grad_clip 1.0 -> 0.5, trainer.max_steps 6 -> 10 (applied from step 6)", line
+    (lr_at_6, end, console), _ = ranks(2).run(resumed_lr, OmegaConf.to_container(cfg, resolve=True), str(run_dir),
+                                              str(ckpt))
+    assert "settings changed" not in console  # the launcher said it once, before the ranks started
     expected = 0.5 * lr_lambda(int(cfg.optim.warmup_steps), 10, float(cfg.optim.min_lr_ratio))(6)
     assert lr_at_6 == pytest.approx(expected, rel=1e-12)  # the new peak, on the new schedule, at step 6
     assert end == 10
@@ -56,11 +59,27 @@ def test_settings_that_may_change_are_listed_and_applied(ranks, run_dir, capsys)
 
 
 def resumed_lr(cfg_dict, run_dir, ckpt):
+    """(the learning rate at the resumed step, the last step, what the trainer printed)."""
+    import contextlib
+    import io
+
     from minidist.train.trainer import Trainer
-    trainer = Trainer(OmegaConf.create(cfg_dict), run_dir, resume_from=ckpt)
-    try:
-        lr = trainer.optimizer.param_groups[0]["lr"]
-        trainer.fit()
-        return lr, trainer.step
-    finally:
-        trainer.close()
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        trainer = Trainer(OmegaConf.create(cfg_dict), run_dir, resume_from=ckpt)
+        try:
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            trainer.fit()
+        finally:
+            trainer.close()
+    return lr, trainer.step, console.getvalue()
+
+
+def test_another_strategy_is_one_item_beside_the_keys_the_command_line_set(run_dir):
+    """A ddp checkpoint resumed as zero2: the new strategy's defaults (strategy.collectives, ...)
+    are summed up in one item; strategy.bucket_cap_mb, set on the command line, is listed."""
+    typed = typed_keys(["strategy=zero2", "strategy.bucket_cap_mb=4", "trainer.max_steps=10"])
+    cfg = compose_cfg(tiny_overrides("strategy.bucket_cap_mb=4", "trainer.max_steps=10", strategy="zero2"))
+    line, _ = resume_notice(cfg, run_dir / "checkpoints" / "step_00000006", typed)
+    assert line == "trainer.resume: settings changed since step_00000006 was written: strategy ddp -> zero2 (its " \
+                   "defaults), strategy.bucket_cap_mb 25 -> 4, trainer.max_steps 6 -> 10 (applied from step 6)"

@@ -152,6 +152,18 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
         assert len(said) == 1 and said[0].startswith("error: ") and re.search(pattern, said[0]), said
     assert files_under(run_dir) == before  # nothing written over the existing run
 
+    # The same command again, with nothing left to train (and with max_steps below the checkpoint's
+    # step): one line each, exit 0, and every file as it was (summary.json's figures kept).
+    summary = (run_dir / "summary.json").read_text()
+    for max_steps, where in ((2, "at trainer.max_steps=2"), (1, "already past trainer.max_steps=1")):
+        capsys.readouterr()
+        assert launch(compose_cfg(tiny_overrides(f"trainer.max_steps={max_steps}")), run_dir) == 0
+        said = capsys.readouterr()
+        lines = said.out.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nothing to train: ") and where in lines[0], said
+        assert "raise trainer.max_steps above 2" in lines[0] and not said.err
+    assert files_under(run_dir) == before and (run_dir / "summary.json").read_text() == summary
+
     # A checkpoint whose tensors do not fit (written by other code, its manifest too): the first
     # mismatching key, named.
     bad_ckpt = tmp_path / "tampered"
@@ -165,8 +177,59 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     with pytest.raises(ConfigError, match=rf"first mismatching key '{re.escape(key)}' has shape \[7, 7\] in the "
                                           r"checkpoint, \[\d+(, \d+)*\] in the model"):
         validate(cfg, 2, tmp_path / "new_run")
-    unknown = train("strategy=zero9")  # Hydra's own message names the group and its options
-    assert unknown.returncode != 0 and "strategy" in unknown.stderr and "zero3" in unknown.stderr
+
+
+def one_line_error(main, argv: list[str], capsys) -> tuple[int, list[str]]:
+    """A recipe's main() in-process: its exit status and what it printed on stderr."""
+    saved = sys.argv[:]
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+    finally:
+        sys.argv = saved
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def recipe_main(name: str):
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    return module.main
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["trainer.max_step=5"], "error: trainer.max_step: no such key; did you mean trainer.max_steps?"),
+    (["strategy=zer3"], "error: strategy=zer3: no such strategy; did you mean zero3 or zero2? (the choices: ddp,"),
+    (["strategy=zero3", "strategy.min_unit_param=1"], "error: strategy.min_unit_param: no such key; did you mean "
+                                                      "strategy.min_unit_params?"),
+    (["+trainer.max_steps=3"], "error: +trainer.max_steps: the key exists already; set it without the +"),
+    (["strategy=["], "error: strategy=[: not an override Hydra can parse"),
+])
+def test_a_mistyped_override_is_one_line_naming_the_closest_valid_names(capsys, argv, line):
+    from minidist.train.app import main
+
+    status, lines = one_line_error(main, argv, capsys)
+    assert status == 2 and len(lines) == 1 and lines[0].startswith(line), lines
+
+
+def test_every_recipe_says_a_mistyped_override_in_one_line(capsys, monkeypatch):
+    from hydra.errors import ConfigCompositionException
+
+    from minidist.compare.app import main as compare
+    from minidist.tour import main as tour
+
+    mains = {"compare": compare, "tour": tour, **{name: recipe_main(name) for name in (
+        "bench_checkpoint", "bench_collectives", "bench_compile", "bench_ddp", "bench_memory", "bench_ring",
+        "bench_zero", "walkthrough")}}
+    for name, main in mains.items():
+        status, lines = one_line_error(main, ["nprok=2"], capsys)
+        assert status == 2 and len(lines) == 1 and lines[0].startswith("error: nprok: no such key"), (name, lines)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra's own error, whole
+    with pytest.raises(ConfigCompositionException, match="Could not override 'nprok'"):
+        tour(["nprok=2"])
 
 
 @pytest.mark.slow(stand_in="test_train_strategies.py::test_resume_is_exact_and_consolidates")  # consolidate in-process

@@ -1,13 +1,24 @@
-"""Data-parallel strategies: DataParallel (DDP) and ShardedDataParallel (ZeRO 1/2/3), from scratch."""
+"""Data-parallel strategies: DataParallel (DDP) and ShardedDataParallel (ZeRO 1/2/3), from scratch.
 
-from minidist.parallel.comm_hooks import HierarchicalAllReduce, allreduce_hook, bf16_compress_hook, fp16_compress_hook
-from minidist.parallel.ddp import DataParallel
-from minidist.parallel.diloco import DiLoCo
-from minidist.parallel.join import Join
-from minidist.parallel.powersgd import PowerSGD
-from minidist.parallel.shard_optimizer import register_elementwise_optimizer
-from minidist.parallel.zero import ShardedDataParallel
-from minidist.parallel import zero3  # noqa: F401,E402  (registers stage 3 with ShardedDataParallel)
+Each name is imported on first use (so reading a checkpoint's format does not import the
+strategies, nor torch.compile's machinery they bring)."""
 
-__all__ = ["DataParallel", "DiLoCo", "ShardedDataParallel", "Join", "PowerSGD", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
-           "HierarchicalAllReduce", "register_elementwise_optimizer"]
+import importlib
+
+_HOME = {
+    "DataParallel": "minidist.parallel.ddp", "DiLoCo": "minidist.parallel.diloco", "Join": "minidist.parallel.join",
+    "PowerSGD": "minidist.parallel.powersgd",
+    "ShardedDataParallel": "minidist.parallel.zero3",  # which registers stage 3 with the class zero.py defines
+    "allreduce_hook": "minidist.parallel.comm_hooks", "fp16_compress_hook": "minidist.parallel.comm_hooks",
+    "bf16_compress_hook": "minidist.parallel.comm_hooks", "HierarchicalAllReduce": "minidist.parallel.comm_hooks",
+    "register_elementwise_optimizer": "minidist.parallel.shard_optimizer",
+}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name in _HOME:
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'minidist.parallel' has no attribute {name!r}")

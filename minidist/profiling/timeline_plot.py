@@ -18,7 +18,7 @@ PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#C44E
 def save_figure(fig, path: Path) -> Path:
     """Lay out, write as PNG, close."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
     return path
 

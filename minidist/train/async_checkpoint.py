@@ -1,6 +1,6 @@
 """Checkpoints that do not stop training (trainer.checkpoint_async=true).
 
-    checkpoints = AsyncCheckpoints(run_dir, strategy, keep_last)
+    checkpoints = AsyncCheckpoints(run_dir, strategy)
     checkpoints.save(step, meta)      # at a checkpoint step: collect, copy aside, write in the background
     checkpoints.poll()                # after every step, on every rank: commit once every rank has written
     checkpoints.wait()                # a stop, the end of the run: the write in flight, finished and committed
@@ -16,8 +16,8 @@ thread's: no communication in it. The third, the commit (every rank agrees the f
 written; rank 0 writes the manifest from the writers' hashes and renames the folder),
 communicates again, so it runs in the training thread, at the first `poll()` after every rank's
 writer has finished: each poll is one small all_reduce while a write is in flight, and nothing
-otherwise. The checkpoints beyond trainer.keep_last are renamed out of sight at the commit and
-deleted by another background thread.
+otherwise. The checkpoints beyond trainer.keep_last are renamed out of sight when the trainer
+prunes (once the steps after the newest have checked out) and deleted by another background thread.
 
 At most one write is in flight: the next save, the end of the run and a stop wait for it. A
 write that fails surfaces at the poll that commits it, as the same CheckpointWriteFailed line
@@ -70,8 +70,8 @@ def copied_aside(files: dict, pinned: bool, reuse: dict | None = None) -> dict:
 class AsyncCheckpoints:
     """One checkpoint write at a time in a background thread; see the module docstring."""
 
-    def __init__(self, run_dir: Path, strategy, keep_last: int):
-        self.run_dir, self.strategy, self.keep_last = Path(run_dir), strategy, keep_last
+    def __init__(self, run_dir: Path, strategy):
+        self.run_dir, self.strategy = Path(run_dir), strategy
         self.blocked_s = 0.0   # training time spent in save / poll / wait (the end of the run's wait: none)
         self.write_s = 0.0     # the background writer's time
         self._step: int | None = None   # the step whose write is in flight
@@ -144,10 +144,14 @@ class AsyncCheckpoints:
         self._step = self._thread = self._error = None
         if error is not None and not _write_error(error):
             raise error
-        final = commit_save(self.run_dir, step, self.strategy, error, self._written, keep_last=None)
-        if self.strategy.ctx.rank == 0:  # the oldest checkpoints, deleted while training goes on
-            doomed = prune(self.run_dir, self.keep_last, later=True)
+        return step, commit_save(self.run_dir, step, self.strategy, error, self._written)
+
+    def prune(self, keep_last: int) -> None:
+        """Rank 0: the checkpoints beyond the newest `keep_last`, deleted while training goes on."""
+        if self.strategy.ctx.rank != 0 or (self._pruning is not None and self._pruning.is_alive()):
+            return
+        doomed = prune(self.run_dir, keep_last, later=True)
+        if doomed:
             self._pruning = threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed],
                                              name="minidist-checkpoint-prune", daemon=True)
             self._pruning.start()
-        return step, final

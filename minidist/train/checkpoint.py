@@ -118,9 +118,10 @@ def remove_partial_saves(run_dir: Path) -> list[str]:
     """Remove the `.step_*.tmp` folders a save that did not finish left behind, and the
     `.step_*.removing` ones a background removal did not finish (prune); their names."""
     root = Path(run_dir) / "checkpoints"
-    stale = sorted([*root.glob(".step_*.tmp"), *root.glob(".step_*.removing")]) if root.is_dir() else []
+    stale = sorted(f for f in [*root.glob(".step_*.tmp"), *root.glob(".step_*.removing")] if not f.is_symlink()) \
+        if root.is_dir() else []
     for folder in stale:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)  # (a link there is left alone: begin_save refuses it)
     return [folder.name for folder in stale]
 
 
@@ -152,9 +153,9 @@ def _describe_failure(error: BaseException | None, run_dir: Path, root: Path, wr
             "folder's permissions) and resume with trainer.resume=auto")
 
 
-def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: int,
-                    before_commit=None) -> Path:
-    """Write the checkpoint of `step` atomically; keep the newest `keep_last`. A collective.
+def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, before_commit=None) -> Path:
+    """Write the checkpoint of `step` atomically. A collective. (Older checkpoints go later, when
+    the steps after this one have shown it healthy: `prune`, the trainer's divergence guard.)
 
     `before_commit()` runs on each rank once its files are written, before the rename (fault
     injection: debug.kill_during=save). A write that fails on any rank raises
@@ -177,18 +178,27 @@ def save_checkpoint(run_dir: Path, step: int, strategy, meta: dict, keep_last: i
         error = e
     if before_commit is not None:
         before_commit()
-    return commit_save(run_dir, step, strategy, error, written, keep_last)
+    return commit_save(run_dir, step, strategy, error, written)
 
 
 def begin_save(run_dir: Path, step: int, strategy) -> Path:
     """Rank 0 makes the checkpoint's `.tmp` folder (removing what an unfinished save left); every
     rank waits for it. A collective. Returns the folder."""
     _, tmp = checkpoint_folders(run_dir, step)
+    error = None
     if strategy.ctx.rank == 0:
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        remove_partial_saves(run_dir)
-        tmp.mkdir()
-    comm.barrier()
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            remove_partial_saves(run_dir)
+            tmp.mkdir()  # fails on anything there: a link planted there is never written through
+        except OSError as e:
+            error = e
+    if _any_rank(error is not None):  # every rank stops alike
+        if os.path.islink(tmp):
+            raise CheckpointWriteFailed(f"step {step}: {tmp} is a symbolic link (to {os.readlink(tmp)}), where this "
+                                        "run writes its checkpoint; it never writes through a link it did not make: "
+                                        "remove the link and resume with trainer.resume=auto")
+        raise CheckpointWriteFailed(_describe_failure(error, run_dir, tmp.parent, 0, step)) from error
     return tmp
 
 
@@ -205,11 +215,9 @@ def own_files(strategy, step: int, meta: dict, files: dict) -> dict[str, object]
     return files
 
 
-def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None, written: dict[str, dict],
-                keep_last: int | None) -> Path:
+def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None, written: dict[str, dict]) -> Path:
     """Once every rank has written (and fsynced) its files, or failed to: agree; rank 0 writes the
-    manifest and renames the folder; the oldest checkpoints beyond `keep_last` go (None: the
-    caller prunes). A collective. `written`: this rank's files' manifest entries (write_files).
+    manifest and renames the folder. A collective. `written`: this rank's files' manifest entries (write_files).
     A failure anywhere raises CheckpointWriteFailed on every rank, the partial folder removed."""
     final, tmp = checkpoint_folders(run_dir, step)
     root, rank = final.parent, strategy.ctx.rank
@@ -232,8 +240,6 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
         comm.barrier()
         raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, partial_bytes, step)) from error
-    if rank == 0 and keep_last is not None:
-        prune(run_dir, keep_last)
     comm.barrier()
     return final
 

@@ -90,11 +90,6 @@ def newest_readable_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def check_resume_matches(cfg, ckpt: Path, world_size: int) -> None:
-    """Verify checkpoint `ckpt` (safe_load.py), then check that this run can continue it."""
-    check_run_fits(cfg, verified(ckpt), world_size)
-
-
 def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
     """Model, strategy, shapes and world size of a verified checkpoint against this run's."""
     meta = read_meta(ckpt)
@@ -119,9 +114,27 @@ def check_run_fits(cfg, ckpt: Path, world_size: int) -> None:
         raise ConfigError(f"trainer.resume: {describe(fixed)} since {ckpt.name} was written, and these may not change "
                           f"on resume ({why}): resume with the checkpoint's settings, or start a new run in a new "
                           "hydra.run.dir")
-    if changes:
-        print0(f"trainer.resume: settings changed since {ckpt.name} was written: {describe(changes)} (applied from "
-               f"step {meta['step']})")
+
+
+def resume_notice(cfg, ckpt: Path, typed: set[str] = frozenset()) -> tuple[str | None, bool]:
+    """(the one line to say before resuming `ckpt`, or None; whether any step is left to train).
+
+    A run whose checkpoint is already at (or past) its last step trains nothing and writes nothing:
+    the line says so and names the setting to raise. Otherwise the line lists the settings changed
+    since the checkpoint was written (`typed`: the keys the command line set, see describe)."""
+    meta = read_meta(ckpt)
+    t, step = cfg.trainer, int(meta["step"])
+    end_key, end = ("trainer.stop_at", int(t.stop_at)) if t.stop_at is not None else ("trainer.max_steps",
+                                                                                    int(t.max_steps))
+    if step >= end:
+        where = "at" if step == end else "already past"
+        return (f"nothing to train: {ckpt} is {where} {end_key}={end} (step {step}); the run directory is left as it "
+                f"was. To train on, raise {end_key} above {step}"), False
+    changes = config_changes(meta["config"], _plain(cfg))
+    if not changes:
+        return None, True
+    return (f"trainer.resume: settings changed since {ckpt.name} was written: {describe(changes, typed=typed)} "
+            f"(applied from step {step})"), True
 
 
 def check_layouts_meet(cfg, ckpt: Path, meta: dict, world_size: int) -> None:
@@ -273,6 +286,11 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         raise ConfigError(f"debug.kill_rank={bad[0]} is not a rank of this {world_size}-rank run: give 0..{world_size - 1}")
     if str(t.nonfinite) not in ("skip", "stop"):
         raise ConfigError(f"trainer.nonfinite={t.nonfinite!r} must be skip (skip the update, go on) or stop")
+    if not isinstance(t.diverged_after, int) or isinstance(t.diverged_after, bool) or t.diverged_after < 0:
+        raise ConfigError(f"trainer.diverged_after={t.diverged_after!r} must be a number of steps >= 0 (0: never)")
+    ratio = t.diverged_loss
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (ratio == 0 or ratio > 1):
+        raise ConfigError(f"trainer.diverged_loss={ratio!r} must be a factor above 1 (0: never)")
     peak = t.peak_tflops
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
@@ -302,11 +320,14 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
                           "so there would be no validation loss: raise data.val_fraction, or set "
                           "trainer.eval_batches=0 to train without validation")
     n = data.train_size(block)
-    if n < world_size * t.micro_batch_size:
-        raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one micro-batch on each of "
-                          f"{world_size} ranks (trainer.micro_batch_size={t.micro_batch_size}): use more data, a "
-                          "smaller trainer.micro_batch_size, or fewer ranks")
     ckpt = resolve_resume(cfg, run_dir)  # verified once, there (hashing a large checkpoint twice costs)
     if ckpt is not None:
         check_run_fits(cfg, ckpt, world_size)
+    accum = grad_accum_on_resume(cfg, read_meta(ckpt), world_size)[0] if ckpt is not None else \
+        grad_accum_steps(cfg, world_size)
+    if n < world_size * t.micro_batch_size * accum:  # what the sampler needs: one global batch an epoch
+        raise ConfigError(f"data={cfg.data.name} has {n} training samples, fewer than one global batch "
+                          f"({world_size} ranks x trainer.micro_batch_size={t.micro_batch_size} x "
+                          f"{accum} micro-batches a step = {world_size * t.micro_batch_size * accum}): use more data, "
+                          "a smaller trainer.micro_batch_size or trainer.grad_accum, or fewer ranks")
     return ckpt

@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 
 from minidist.train.checkpoint import latest_checkpoint
+from minidist.train.run_lock import RunDirectoryUnwritable, append_file, write_replacing
 from minidist.train.stop_signal import signal_name
 
 
@@ -38,38 +39,43 @@ def restart_plan(run_dir: Path) -> str:
     return f"torchrun restarts the group (restart {done + 1} of {restarts}) {start}"
 
 
-def report_failure(error: BaseException, rank: int, step: int | None, run_dir: Path) -> str:
+def report_failure(error: BaseException, rank: int, step: int | None, run_dir: Path, agreed: bool = False,
+                   job: str | None = None) -> str:
     """Append `error`'s traceback to this rank's log; return the one line that describes it
-    (`step`: the steps this rank had completed, None before the trainer existed)."""
+    (`step`: the steps this rank had completed, None before the trainer existed; `agreed`: every
+    rank raised it alike, so rank 0's line says all and the launcher adds none; `job`: the sweep's
+    job, named first)."""
     log = Path(run_dir) / "logs" / f"rank_{rank}.log"
     try:
         log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "a") as f:
+        with append_file(log) as f:
             f.write(f"rank {rank} stopped with this error:\n{''.join(traceback.format_exception(error))}")
         kept = f"traceback in {log}"
-    except OSError as e:  # the logs cannot be written (the error may be just that): the line says all
-        kept = f"no traceback kept: {log.parent} cannot be written ({e.__class__.__name__}: {e.strerror or e})"
+    except (OSError, RunDirectoryUnwritable) as e:  # the logs cannot be written (the error may be just that)
+        kept = f"no traceback kept: {log.parent} cannot be written ({e.__class__.__name__}: {getattr(e, 'strerror', 0) or e})"
     text = str(error).strip().splitlines()
     what = text[0] if text else ""
     where = f" after step {step}" if step is not None else " before training started"
-    line = f"error: rank {rank} stopped{where}: {error.__class__.__name__}: {what}; {restart_plan(run_dir)}; {kept}"
+    line = (f"error: {job + ': ' if job else ''}rank {rank} stopped{where}: {error.__class__.__name__}: {what}; "
+            f"{restart_plan(run_dir)}; {kept}")
     from minidist.train.collective_failure import CollectiveFailure
 
-    write_record(run_dir, rank, "waited" if isinstance(error, CollectiveFailure) else "error", step, line)
+    write_record(run_dir, rank, "waited" if isinstance(error, CollectiveFailure) else "agreed" if agreed else "error",
+                 step, line)
     return line
 
 
 # What a rank's failure record says it did: failed on its own (error), gave up waiting for a
 # peer (waited: a CollectiveFailure), or was still inside its step when told to stop (stuck).
-KINDS = ("error", "waited", "stuck")
+KINDS = ("error", "waited", "stuck", "agreed")  # agreed: every rank failed alike (rank 0's line says it)
 
 
 def write_record(run_dir: Path, rank: int, kind: str, step: int | None, line: str) -> None:
     """Leave this rank's failure record for the launcher (best effort: the line is already said)."""
     record = {"rank": rank, "kind": kind, "step": step, "time": time.time(), "line": line}
     try:
-        (Path(run_dir) / "logs" / f"rank_{rank}.failure.json").write_text(json.dumps(record))
-    except OSError:
+        write_replacing(Path(run_dir) / "logs" / f"rank_{rank}.failure.json", json.dumps(record))
+    except (OSError, RunDirectoryUnwritable):
         pass
 
 
@@ -114,5 +120,5 @@ def who_failed_first(run_dir: Path, since: float, exitcodes: dict[int, int | Non
 def _how(record: dict) -> str:
     step = record.get("step")
     at = f" after step {step}" if step is not None else " before training started"
-    return {"error": f"failed{at}", "waited": f"gave up waiting for a peer{at}",
+    return {"error": f"failed{at}", "agreed": f"failed{at}", "waited": f"gave up waiting for a peer{at}",
             "stuck": f"stalled{at}: still inside its step when the launcher stopped it"}[record["kind"]]

@@ -20,12 +20,13 @@ from omegaconf import OmegaConf
 
 from minidist.dist import choose_backend, detect_launch, launch_rank
 from minidist.launch import RanksFailed, Stopped, run_ranks, under_launcher
-from minidist.train.config_check import validate
+from minidist.train.config_check import resume_notice, validate
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.errors import ConfigError
-from minidist.train.failure_report import report_failure, who_failed_first
+from minidist.train.failure_report import read_records, report_failure, who_failed_first
 from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
-from minidist.train.run_lock import RunDirectoryInUse, RunDirectoryUnwritable, run_directory_lock
+from minidist.train.resume_changes import typed_keys
+from minidist.train.run_lock import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
 from minidist.train.stop_signal import StopSignals, exit_status
 
 
@@ -74,7 +75,7 @@ def quiet_unless_rank0(run_dir: Path, rank: int):
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     sys.stdout.flush(), sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with open(run_dir / "logs" / f"rank_{rank}.console", "a", buffering=1) as out:
+    with append_file(run_dir / "logs" / f"rank_{rank}.console") as out:
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         try:
@@ -86,11 +87,11 @@ def quiet_unless_rank0(run_dir: Path, rank: int):
             os.close(saved[0]), os.close(saved[1])
 
 
-def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
+def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, job: str | None = None) -> dict:
     """One rank's whole run: init, train, close. Returns the run's summary; a stop signal
     (stop_signal.py) ends it after checkpointing the step reached, with SystemExit(128 + signal)."""
     with StopSignals(grace_s=float(cfg_dict["launcher"]["stop_grace_s"])) as stop:
-        summary = _run_rank(cfg_dict, run_dir, resume_from, stop)
+        summary = _run_rank(cfg_dict, run_dir, resume_from, stop, job)
     if summary.get("stopped_by"):
         # The stop's status, not a return value: torch's launcher keeps a rank that returned one
         # until it next polls, and a signalled launcher does not poll, it waits out its grace.
@@ -98,7 +99,7 @@ def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None) -> dict:
     return summary
 
 
-def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopSignals) -> dict:
+def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopSignals, job: str | None) -> dict:
     import torch
 
     import minidist
@@ -123,8 +124,11 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopS
             finally:
                 trainer.close()
     except Exception as e:  # noqa: BLE001 - one line on the console, the traceback in the rank's log
-        line = report_failure(e, ctx.rank, trainer.step if trainer is not None else None, path)
-        if ctx.rank == 0 or not isinstance(e, CheckpointWriteFailed):  # that one, every rank alike: rank 0 says it
+        # Raised on every rank alike (a write agreed failed; the global gradient norm), rank 0 says it.
+        agreed = isinstance(e, (CheckpointWriteFailed, FloatingPointError))
+        line = report_failure(e, ctx.rank, trainer.step if trainer is not None else None, path, agreed=agreed,
+                              job=job)
+        if ctx.rank == 0 or not agreed:
             print(line, file=sys.stderr, flush=True)
         raise SystemExit(1) from e
     finally:
@@ -139,39 +143,56 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopS
             minidist.shutdown()
 
 
-def launch(cfg, run_dir: str | Path) -> int:
-    """Validate `cfg` and train; return the process exit status."""
+def command_line_overrides() -> list[str]:
+    """The overrides this Hydra job was given (none outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
+    """Validate `cfg` and train; return the process exit status. `job`: a sweep's job, named in the
+    launcher's error lines."""
     run_dir = Path(run_dir).absolute()
     rank = launch_rank()
     started = time.time()  # the ranks' failure records from this launch on are this run's
+
+    def error(line) -> None:
+        print(f"error: {job + ': ' if job else ''}{line}", file=sys.stderr, flush=True)
     try:
         world = world_size_for(cfg)
         ckpt = validate(cfg, world, run_dir)
+        line, to_train = resume_notice(cfg, ckpt, typed_keys(command_line_overrides())) if ckpt else (None, True)
     except ConfigError as e:
         if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            error(e)
         return 2
+    if line is not None and rank == 0:
+        print(line, flush=True)
+    if not to_train:
+        return 0
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
     try:
         # One run per run directory (run_lock.py): taken by the process that starts the ranks
         # (under torchrun, rank 0's), before anything is written there.
-        with run_directory_lock(run_dir) if rank == 0 else contextlib.nullcontext():
-            run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume),
+        folders = OWNED + (("samples",) if cfg.trainer.get("log_samples") else ())
+        with run_directory_lock(run_dir, folders) if rank == 0 else contextlib.nullcontext():
+            run_ranks(run_rank, nproc=world, args=(cfg_dict, str(run_dir), resume, job),
                                 stop_grace_s=float(cfg.launcher.stop_grace_s))
     except Stopped as e:  # our launcher was signalled too: the ranks, stopped, have said how
         return exit_status(e.signum)
-    except RunDirectoryInUse as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except RunDirectoryUnwritable as e:  # before any rank: its logs could not have said it
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except (RunDirectoryInUse, RunDirectoryUnwritable) as e:  # before any rank: its logs could not have said it
+        error(e)
         return 2
     except RanksFailed as e:
         if (signum := e.stopped_by()) is not None:  # only a rank was signalled: they stopped, as agreed
             return exit_status(signum)
-        print(f"error: training failed on {who_failed_first(run_dir, started, e.exitcodes)}; each rank's log is in "
-              f"{run_dir / 'logs'}", file=sys.stderr)
+        records = read_records(run_dir, started)
+        if records and all(r["kind"] == "agreed" for r in records.values()):
+            return 1  # every rank stopped alike, and rank 0 said why
+        error(f"training failed on {who_failed_first(run_dir, started, e.exitcodes)}; each rank's log is in "
+              f"{run_dir / 'logs'}")
         if (line := dumps_line(run_dir / "logs")) is not None:
             print(line, file=sys.stderr)
         return 1

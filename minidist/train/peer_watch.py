@@ -136,14 +136,15 @@ def leave_the_group(why: str, rank: int, step: int | None, run_dir: Path) -> Non
     """Say in one line that this rank leaves because a peer is gone, leave the failure record the
     launcher reads, and exit at once (the training thread may be blocked inside a collective)."""
     from minidist.train.failure_report import restart_plan, write_record
+    from minidist.train.run_lock import RunDirectoryUnwritable, append_file
 
     where = f" after step {step}" if step is not None else ""
     line = f"error: rank {rank} stopped{where}: PeerLost: {why}; {restart_plan(run_dir)}"
     try:
         write_record(run_dir, rank, "waited", step, line)
-        with open(Path(run_dir) / "logs" / f"rank_{rank}.log", "a") as f:
+        with append_file(Path(run_dir) / "logs" / f"rank_{rank}.log") as f:
             f.write(line + "\n")
-    except OSError:
+    except (OSError, RunDirectoryUnwritable):
         pass
     print(line, file=sys.stderr, flush=True)
     os._exit(1)

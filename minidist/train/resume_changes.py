@@ -51,9 +51,23 @@ def is_fixed(key: str) -> str | None:
     return next((why for k, why in FIXED.items() if key == k or (k.endswith(".") and key.startswith(k))), None)
 
 
-def describe(changes: list[tuple[str, object, object]], limit: int = 12) -> str:
-    shown = ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, a, b in changes[:limit])
-    return shown + (f" (and {len(changes) - limit} more)" if len(changes) > limit else "")
+def describe(changes: list[tuple[str, object, object]], limit: int = 12, typed: set[str] = frozenset()) -> str:
+    """`key old -> new, ...`. Another strategy brings its own defaults for every strategy.* key: those
+    show as one item, `strategy zero3 -> ddp (its defaults)`, beside the strategy keys in `typed` (the
+    keys the command line set, e.g. {"strategy.bucket_cap_mb"})."""
+    items = []
+    new_strategy = next(((a, b) for k, a, b in changes if k == "strategy.name"), None)
+    if new_strategy is not None:
+        items.append(f"strategy {new_strategy[0]} -> {new_strategy[1]} (its defaults)")
+        changes = [c for c in changes if not c[0].startswith("strategy.") or c[0] in typed]
+    items += [f"{k} {_short(a)} -> {_short(b)}" for k, a, b in changes]
+    return ", ".join(items[:limit]) + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def typed_keys(overrides: list[str]) -> set[str]:
+    """The config keys a command line's Hydra overrides set (`strategy.bucket_cap_mb=4` ->
+    "strategy.bucket_cap_mb"; `+x=1`, `~x`, `++x=1` alike)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
 def _short(value) -> str:

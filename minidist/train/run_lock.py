@@ -12,6 +12,15 @@ killed run is never in the way: the next run simply takes it. On a file system w
 flock (some NFS setups) the recorded pid and host decide instead: a holder on this host
 that no longer exists is stale and taken over; one on another host is named, to be removed
 by hand once that run is known to be gone.
+
+Files handed over are not trusted, and a run directory may be shared: someone who can write
+there could plant a symbolic link where the run writes (config.yaml -> a file of yours) and have
+the run overwrite what it points to. So nothing the run writes follows a link it did not make:
+before any rank starts, the folders the run writes into (logs/, checkpoints/, tensorboard/,
+samples/) must be real folders holding no links, and writable (a probe file made and removed,
+so a read-only folder is found before the first step, not at the first save); ranks append to
+their files with O_NOFOLLOW (`append_file`) and rewrite whole files by renaming a new one over
+the old (`write_replacing`: a link there is replaced, never written through).
 """
 
 from __future__ import annotations
@@ -22,12 +31,15 @@ import fcntl
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 from minidist.train.errors import ConfigError
 
 NAME = "run.lock"
+# The folders of a run directory the run writes into, and owns: never links, checked before any rank starts.
+OWNED = ("logs", "checkpoints", "tensorboard")
 
 
 class RunDirectoryInUse(ConfigError):
@@ -36,6 +48,75 @@ class RunDirectoryInUse(ConfigError):
 
 class RunDirectoryUnwritable(ConfigError):
     """The run directory cannot be made or written: no rank could log why it failed."""
+
+
+class PlantedLink(RunDirectoryUnwritable):
+    """A symbolic link where the run writes: refused, never followed."""
+
+
+def refuse_link(path: Path) -> None:
+    """PlantedLink naming `path` if it is a symbolic link."""
+    if os.path.islink(path):
+        raise PlantedLink(f"{path} is a symbolic link (to {os.readlink(path)}), where this run writes; it never "
+                          "writes through a link it did not make (its target would be overwritten): remove the link, "
+                          "or give this run its own hydra.run.dir")
+
+
+def append_file(path: Path):
+    """`path` opened for appending, line-buffered; never through a symbolic link (PlantedLink)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    return os.fdopen(fd, "a", buffering=1)
+
+
+@contextlib.contextmanager
+def replacing(path: Path):
+    """Yields a new file's path beside `path` (made here, a fresh name) for the caller to write
+    whole, then renames it over `path`: a link there is replaced, its target untouched, and a reader
+    sees the old file or the new one, never half of one."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_replacing(path: Path, text: str) -> None:
+    """Write `path` whole, as `replacing` does."""
+    with replacing(path) as tmp:
+        Path(tmp).write_text(text)
+
+
+def check_folders(run_dir: Path, folders: tuple[str, ...] = OWNED) -> None:
+    """Every folder of `run_dir` the run writes into: a real folder (made if missing), with no
+    symbolic link inside (but checkpoints/, whose step folders may be links the user made to another
+    disk: a pruned one loses its link only) and writable: a probe file made and removed there. Raises
+    PlantedLink or RunDirectoryUnwritable naming the first that is not."""
+    refuse_link(run_dir / NAME)
+    for name in folders:
+        folder = run_dir / name
+        refuse_link(folder)
+        try:
+            folder.mkdir(exist_ok=True)
+            probe = folder / f".write_test.{os.getpid()}"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+            probe.unlink()
+        except OSError as e:
+            raise RunDirectoryUnwritable(f"the folder {folder} cannot be written ({e.__class__.__name__}: "
+                                         f"{e.strerror or e}): make it writable, or give a writable hydra.run.dir "
+                                         "(found before the first step)") from None
+        for entry in os.scandir(folder):
+            if entry.is_symlink() and (name != "checkpoints" or entry.name.startswith(".")):
+                refuse_link(Path(entry.path))
 
 
 def _holder(path: Path) -> dict:
@@ -59,8 +140,9 @@ def _alive(pid) -> bool:
 
 
 @contextlib.contextmanager
-def run_directory_lock(run_dir: Path):
-    """Hold `run_dir`'s lock for the duration; RunDirectoryInUse if another live run holds it."""
+def run_directory_lock(run_dir: Path, folders: tuple[str, ...] = OWNED):
+    """Hold `run_dir`'s lock for the duration; RunDirectoryInUse if another live run holds it.
+    Once held, `folders` are checked (check_folders), before any rank starts."""
     run_dir = Path(run_dir)
     path = run_dir / NAME
     unwritable = lambda e: RunDirectoryUnwritable(  # noqa: E731
@@ -68,7 +150,8 @@ def run_directory_lock(run_dir: Path):
         "writable hydra.run.dir")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        refuse_link(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
         raise unwritable(e) from None
     try:
@@ -85,13 +168,7 @@ def run_directory_lock(run_dir: Path):
                     f"the run directory {run_dir} is recorded in use by {_describe(holder)} ({path}; this file "
                     "system takes no locks): if that run is gone, remove the file; else give this run its own "
                     "hydra.run.dir") from None
-        try:  # where every rank will write: a failure there could not be logged by them
-            (run_dir / "logs").mkdir(exist_ok=True)
-            probe = run_dir / "logs" / f".write_test.{os.getpid()}"
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT, 0o644))
-            probe.unlink()
-        except OSError as e:
-            raise unwritable(e) from None
+        check_folders(run_dir, folders)  # where every rank will write: a failure there could not be logged by them
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode())
         yield path

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from minidist.train.run_lock import append_file, write_replacing
+
 
 class RunLog:
     def __init__(self, cfg, run_dir: Path, ctx):
@@ -30,7 +32,7 @@ class RunLog:
         # A Hydra sweep configures logging again for every job, and its disable_existing_loggers
         # switches off this logger, created by the previous job: the later jobs' logs stayed empty.
         self.logger.disabled = False
-        self._file = logging.FileHandler(self.run_dir / "logs" / f"rank_{ctx.rank}.log")
+        self._file = logging.StreamHandler(append_file(self.run_dir / "logs" / f"rank_{ctx.rank}.log"))
         self._file.setFormatter(logging.Formatter("%(asctime)s rank %(rank)s  %(message)s", "%H:%M:%S"))
         self._file.addFilter(lambda record: setattr(record, "rank", ctx.rank) or True)
         self.logger.addHandler(self._file)
@@ -39,7 +41,7 @@ class RunLog:
         if self.main:
             # What this run uses (a resumed run with changed settings: its own; each checkpoint's
             # meta.pt keeps the config it was written with).
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            write_replacing(self.run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -100,7 +102,8 @@ class RunLog:
         self.writer.add_hparams(hparams, finals, run_name=".")
         self.writer.flush()
         # the same figures for scripts (e.g. scripts/make_components.py), beside the resolved config
-        (self.run_dir / "summary.json").write_text(json.dumps({**summary, "config": hparams}, indent=1, default=str) + "\n")
+        write_replacing(self.run_dir / "summary.json",
+                        json.dumps({**summary, "config": hparams}, indent=1, default=str) + "\n")
         print(format_summary(summary, self.run_dir), flush=True)
 
     def close(self) -> None:
@@ -109,6 +112,7 @@ class RunLog:
             self.writer.close()
         self.logger.removeHandler(self._file)
         self._file.close()
+        self._file.stream.close()
 
 
 def _bytes(n: float) -> str:
@@ -137,7 +141,8 @@ def format_summary(s: dict, run_dir: Path) -> str:
         clock = f"; {s['time/clock']}" if "time/clock" in s else ""
         rows.append(("step time", f"{s['time/step_s'] * 1e3:.1f} ms ({split} ms{clock})"))
     if "comm/bytes_per_step" in s:
-        rows.append(("communication", f"{_bytes(s['comm/bytes_per_step'])} sent per step and rank"))
+        rows.append(("communication", f"{_bytes(s['comm/bytes_per_step'])} sent per step and rank (mean of "
+                                      f"{s.get('comm/steps', s['step'])} steps)"))
     if s.get("checkpoint/write_s"):
         rows.append(("checkpointing", f"{s['checkpoint/blocked_s']:.2f} s of training blocked, "
                                       f"{s['checkpoint/write_s']:.2f} s writing"))

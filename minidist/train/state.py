@@ -15,6 +15,7 @@ both, so a comparison measures exactly what the trainer runs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import math
 import random
 from dataclasses import dataclass, field
@@ -94,7 +95,9 @@ class TrainingState:
         Returns (the mean micro-batch loss, detached; the gradient norm before clipping)."""
         loss, norm = accumulate_and_step(self.strategy, micro_batches, loss_fn or self.loss, self.max_norm,
                                          self.scaler, self.autocast, before_optimizer)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a first step skipped (a non-finite norm) is no misordered call
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
         return loss, norm
 
 

@@ -15,6 +15,7 @@ cannot tell, so their compute includes it) and compute (the rest).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import math
@@ -31,7 +32,8 @@ import minidist
 from minidist import comm
 from minidist.profiling.timeline import settle
 from minidist.timing import Span, clock_name, to_host
-from minidist.train.checkpoint import latest_checkpoint, load_checkpoint, read_meta, remove_partial_saves, save_checkpoint
+from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, prune, read_meta,
+                                       remove_partial_saves, save_checkpoint)
 from minidist.train.async_checkpoint import AsyncCheckpoints
 from minidist.train.checkpoint_layouts import layout_for
 from minidist.train.cross_host import HostTraffic, cross_host_sent
@@ -44,12 +46,22 @@ from minidist.train.faults import FaultPlan
 from minidist.train.collective_failure import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
 from minidist.train.run_log import RunLog
+from minidist.train.run_lock import append_file, replacing
 from minidist.train.optim import optimizer_spec
 from minidist.train.peak_flops import peak_tflops
 from minidist.train.resume_changes import config_changes, describe, schedule_changed
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
 from minidist.train.stop_signal import StopSignals, signal_name
 from minidist.train.strategies import local_tensor
+
+
+# How many of the latest steps' losses a step's is compared with (trainer.diverged_loss): enough that a
+# noisy batch stays within their highest (from the second step on: a run can diverge in its first).
+RECENT_STEPS = 20
+
+
+class Diverged(FloatingPointError):
+    """The run diverged (trainer.diverged_after / diverged_loss): every rank stops alike."""
 
 
 def state_digest(module: torch.nn.Module) -> str:
@@ -131,6 +143,8 @@ class Trainer:
         if debug is not None and debug.get("check_collectives"):
             comm.check_collectives(True)  # each collective first compares a fingerprint across ranks
         self.skipped_steps = 0
+        self.skipped_in_a_row = 0  # updates skipped for a non-finite norm since the last one taken
+        self.recent_losses: collections.deque = collections.deque(maxlen=RECENT_STEPS)  # agreed, per step
         # This run's traced bytes by op, all steps together: per step on average is what a strategy
         # that communicates every H steps sends (DiLoCo), where the last log window's may not be.
         self.sent_by_op: dict[str, float] = {}
@@ -154,14 +168,14 @@ class Trainer:
                 self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s checkpoints are written by "
                               f"{layout.writer}, communicating as it does: they stay synchronous")
             else:
-                self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy, int(t.keep_last))
+                self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy)
         # A host that vanishes makes the others leave within launcher.peer_timeout_s (peer_watch.py)
         self.peer_watch = PeerWatch.start(ctx, float(cfg.launcher.get("peer_timeout_s", 0)), step=lambda: self.step,
                                           run_dir=self.run_dir)
         self.samples_log = None
         if t.get("log_samples"):  # appended to: a resumed run continues the same files
             (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
-            self.samples_log = open(self.run_dir / "samples" / f"rank_{ctx.rank}.txt", "a", buffering=1)
+            self.samples_log = append_file(self.run_dir / "samples" / f"rank_{ctx.rank}.txt")
         self.log.info(f"{self.strategy.name}: {cfg.model.name} ({self.n_params / 1e6:.2f}M parameters) on "
                       f"{cfg.data.name} ({len(self.train_set):,} training samples), {ctx.world_size} rank(s), "
                       f"{ctx.backend}, global batch {self.global_batch} = {t.micro_batch_size} x {self.grad_accum} x "
@@ -174,7 +188,7 @@ class Trainer:
 
         Nothing in it waits for the device: the step and the communication are timed on the
         device's clock (minidist.timing: CUDA events on CUDA), and the loss, the gradient norm and
-        the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_finite`)."""
+        the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_progress`)."""
         span = Span(self.ctx.device).start()
         self.faults.maybe_stall(self.ctx.rank, self.step + 1)
         with comm.CommTracer() as tracer, self._collectives_named(tracer.records):
@@ -206,8 +220,9 @@ class Trainer:
         if self.ctx.rank == 0:
             stem = self.run_dir / f"timeline_step_{self.step + 1}"
             title = f"{self.strategy.name} step {self.step + 1}"
-            write_chrome_trace(traces, stem.with_suffix(".json"), title)
-            timeline_plot(traces, title, stem.with_suffix(".png"))
+            with replacing(stem.with_suffix(".json")) as json_file, replacing(stem.with_suffix(".png")) as png:
+                write_chrome_trace(traces, json_file, title)
+                timeline_plot(traces, title, png)
             hidden = [t["hidden_fraction"] for t in traces.values() if t["hidden_fraction"] is not None]
             share = f"; {100 * sum(hidden) / len(hidden):.0f}% of communication hidden behind compute" if hidden else ""
             self.log.info(f"step {self.step + 1}: timeline {stem}.json / .png{share}")
@@ -261,12 +276,21 @@ class Trainer:
             self.log.info(f"step {step}: checkpoint {path} (written in the background)")
             return path
         start = time.perf_counter()
-        path = save_checkpoint(self.run_dir, step, self.strategy, meta, int(self.cfg.trainer.keep_last),
-                               before_commit=kill)
+        path = save_checkpoint(self.run_dir, step, self.strategy, meta, before_commit=kill)
         self.sync_save_s += time.perf_counter() - start
         self.log.info(f"step {step}: checkpoint {path}")
         self.saved = step, path
         return path
+
+    def _prune(self) -> None:
+        """Rank 0: keep the newest trainer.keep_last checkpoints. Called once the steps since the last
+        checkpoint have passed `_check_progress`: a checkpoint written just after the update that made a
+        run diverge shows it only in the next steps' losses, and must not have pruned the last good one."""
+        keep = int(self.cfg.trainer.keep_last)
+        if self.checkpoints is not None:
+            self.checkpoints.prune(keep)
+        elif self.ctx.rank == 0:
+            prune(self.run_dir, keep)
 
     def _committed(self, saved: tuple[int, Path] | None) -> Path | None:
         """A background write committed ((step, folder)): the checkpoint a stop or resume names now."""
@@ -298,8 +322,9 @@ class Trainer:
         self.log.info((f"resumed step {self.step} of {meta['strategy']} at {meta['world_size']} ranks as "
                        f"{self.strategy.name} at {self.ctx.world_size} ranks (from {ckpt})" if converted else
                        f"resumed from {ckpt} at step {self.step}") +
-                      (f"; {self.batch_note}" if self.batch_note else "") +
-                      (f"; settings changed since: {describe(changes)} (applied)" if changes else ""))
+                      (f"; {self.batch_note}" if self.batch_note else ""))
+        if changes:  # the console had them before the ranks started (config_check.resume_notice)
+            self.log.logger.info(f"settings changed since {ckpt.name}: {describe(changes)} (applied)")
 
     def _follow_optim_config(self) -> None:
         """The optimizer state came back with the checkpoint's learning rate and options: take this
@@ -325,7 +350,7 @@ class Trainer:
         self.log.start_progress(self.step, int(t.max_steps))
         last_eval: dict = {}
         history: list[StepRecord] = []
-        unchecked: list[tuple[int, torch.Tensor]] = []  # (step, gradient norm) not yet read on the host
+        unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, grad norm, loss) not yet read
         start = self.step
         while self.step < end:
             if self.stop is not None and (signum := self._stop_agreed()):
@@ -347,7 +372,7 @@ class Trainer:
                 self.traced_steps += 1
                 for op, row in m.comm.summary().items():
                     self.sent_by_op[op] = self.sent_by_op.get(op, 0.0) + row["sent_bytes"]
-            unchecked.append((self.step, m.grad_norm))
+            unchecked.append((self.step, m.grad_norm, m.loss))
             log_now = self.step % t.log_every == 0 or self.step == end
             eval_now = t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end)
             save_now = (t.ckpt_every and self.step % t.ckpt_every == 0) or self.step == end  # and always the last
@@ -355,8 +380,9 @@ class Trainer:
             # steps since shows up (on NCCL, nothing waits for one before): name it then.
             if log_now or eval_now or save_now:
                 with self._collectives_named([r for h in history if h.comm for r in h.comm.records], self.step):
-                    self._check_finite(unchecked)
+                    self._check_progress(unchecked)
                     unchecked = []
+                    self._prune()  # every checkpoint there is now followed by steps that checked out
                     if log_now:
                         self.log.scalars(self.step, self._reduce_metrics(history))
                         history = []
@@ -364,11 +390,17 @@ class Trainer:
             if eval_now:
                 last_eval = self.evaluate()
                 self.log.scalars(self.step, last_eval)
-            if save_now:
+            if save_now and self.skipped_in_a_row and self.step != end:  # not while updates are being skipped:
+                self.log.info(f"step {self.step}: checkpoint postponed: the last {self.skipped_in_a_row} "  # the
+                              "update(s) were skipped for a non-finite gradient norm")  # last good one stays
+            elif save_now:
                 self.save()
         self.log.stop_progress()
         if self.checkpoints is not None:  # training is over: the last write's wait blocks nothing
             self._committed(self.checkpoints.wait(training=False))
+        self._prune()
+        if self.checkpoints is not None:
+            self.checkpoints.wait(training=False)  # (its background deletions)
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps,
@@ -380,9 +412,14 @@ class Trainer:
         summary["state_digest"] = state_digest(self.net)
         if self.host_traffic.multi_host:
             summary.update(self._cross_host_traffic())
-        if self.traced_steps:  # this rank's, over the steps this process ran
-            summary["comm/mean_bytes_per_step"] = sum(self.sent_by_op.values()) / self.traced_steps
-            summary.update({f"comm/mean_{op}_bytes_per_step": b / self.traced_steps
+        # Bytes sent: this rank's mean over every step this process ran, not the last log window's
+        # (a strategy that communicates every H steps, DiLoCo, sends unevenly across windows).
+        for key in [k for k in self.log.last if k.startswith("comm/") and "cross_host" not in k]:
+            del summary[key]
+        if self.traced_steps:
+            summary["comm/bytes_per_step"] = sum(self.sent_by_op.values()) / self.traced_steps
+            summary["comm/steps"] = self.traced_steps
+            summary.update({f"comm/{op}_bytes_per_step": b / self.traced_steps
                             for op, b in self.sent_by_op.items() if b})
         summary["time/clock"] = clock_name(self.ctx.device)
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
@@ -449,19 +486,59 @@ class Trainer:
             out["comm/cross_host_packets_per_step"] = both[1].item()
         return out
 
-    def _check_finite(self, unchecked: list[tuple[int, torch.Tensor]]) -> None:
-        """Read the gradient norms of the steps since the last check (one host read, at a log, eval
-        or checkpoint step: none in between) and report those that were nan or inf.
+    def _check_progress(self, unchecked: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Read the gradient norms and losses of the steps since the last check (one small all_reduce
+        of the losses, then one host read, at a log, eval or checkpoint step: none in between); report
+        the nan or inf norms, and stop a run that diverged (Diverged) before it checkpoints anything.
 
-        The strategy already skipped those updates on the device (every rank alike, the norm being
-        global). fp16: an overflow is the scaler's routine (it skipped the step and lowered its scale
-        on every rank alike), not a non-finite step to count or stop for."""
-        if not unchecked or self.scaler.is_enabled():
+        The strategy already skipped a non-finite norm's update on the device (every rank alike, the
+        norm being global). fp16: an overflow is the scaler's routine (it skipped the step and lowered
+        its scale on every rank alike), not a non-finite step to count or stop for. Diverged: the
+        last trainer.diverged_after updates all skipped, or a step's loss (the mean over ranks, so
+        every rank decides alike) above trainer.diverged_loss times the highest of the RECENT_STEPS
+        steps before it (a spike, not noise). Periodic checkpoints wait while updates are being
+        skipped (fit), so none written after a divergence prunes one from before it."""
+        if not unchecked:
             return
-        norms = to_host(torch.stack([n for _, n in unchecked]).reshape(-1), "gradient norms")
-        for (step, _), norm in zip(unchecked, norms if isinstance(norms, list) else [norms]):
-            if not math.isfinite(norm):
-                self._non_finite(step, norm)
+        losses = torch.stack([loss for _, _, loss in unchecked]).reshape(-1).float()
+        comm.all_reduce(losses)
+        read = to_host(torch.cat([losses / self.ctx.world_size, torch.stack([n for _, n, _ in unchecked]).reshape(-1)
+                                  .to(losses.device)]), "losses and gradient norms")
+        read = read if isinstance(read, list) else [read]
+        t = self.cfg.trainer
+        limit, ratio = int(t.get("diverged_after", 0)), float(t.get("diverged_loss", 0))
+        for (step, _, _), loss, norm in zip(unchecked, read[:len(unchecked)], read[len(unchecked):]):
+            if not self.scaler.is_enabled():
+                if not math.isfinite(norm):
+                    self.skipped_in_a_row += 1
+                    self._non_finite(step, norm)
+                    if limit and self.skipped_in_a_row >= limit:
+                        self._diverged(step, step - limit + 1, f"its last {limit} updates were all skipped for a "
+                                                               "non-finite gradient norm", "trainer.diverged_after")
+                    continue
+                self.skipped_in_a_row = 0
+            if ratio and self.recent_losses and loss > ratio * max(self.recent_losses):
+                self._diverged(step, step, f"train loss {loss:.4g} is over {ratio:g} times the highest of the "
+                                           f"{len(self.recent_losses)} steps before it ({max(self.recent_losses):.4g})",
+                               "trainer.diverged_loss")
+            if math.isfinite(loss):
+                self.recent_losses.append(loss)
+
+    def _diverged(self, step: int, first_bad: int, why: str, setting: str) -> None:
+        """Stop the run, every rank alike, at `step`. Step `first_bad`'s loss or gradient was the first
+        to show it, so the update before it made the weights a checkpoint of that step holds: such
+        checkpoints are set aside (`step_XXXXXXXX.diverged`, which no resume picks), and the newest
+        one left, from before the divergence, is named (none was pruned since: `_prune`)."""
+        if self.ctx.rank == 0:
+            for ckpt in list_checkpoints(self.run_dir):
+                if int(ckpt.name.removeprefix("step_")) >= first_bad - 1:
+                    ckpt.rename(ckpt.with_name(f"{ckpt.name}.diverged"))
+        comm.barrier()
+        latest = latest_checkpoint(self.run_dir)
+        where = (f"the last checkpoint from before it is {latest} (trainer.resume=auto continues there)" if latest
+                 else "no checkpoint is from before it (start afresh)")
+        raise Diverged(f"step {step}: the run diverged: {why}; {where}, later ones are kept as step_*.diverged. Try "
+                       f"a smaller optim.lr, or change {setting} (0: off)")
 
     def _non_finite(self, step: int, norm: float) -> None:
         """Step `step`'s gradient norm was nan or inf and its update was skipped. Count it, and stop

@@ -50,7 +50,7 @@ def curve(run_dir: Path) -> dict:
     return {"curve": points, "tokens_per_s": summary["throughput/tokens_per_s"],
             "strategy": summary["config"]["strategy"], "sync_every": sync_every(run_dir),
             "host_tx_bytes_per_step": summary.get("net/cross_host_tx_bytes_per_step"),
-            "bytes_per_step": summary.get("comm/mean_bytes_per_step"), "final_val_loss": summary["val/loss"]}
+            "bytes_per_step": summary.get("comm/bytes_per_step"), "final_val_loss": summary["val/loss"]}
 
 
 def main(argv: list[str]) -> int:
