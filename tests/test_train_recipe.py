@@ -355,7 +355,8 @@ def test_make_train_ends_at_the_figures_the_readme_quotes(tmp_path):
     quoted = dict(re.findall(r"^(train loss|validation loss|communication|memory \(rank 0\))\s{2,}(.*)$", readme, re.M))
     for name, key in (("train loss", "train/loss"), ("validation loss", "val/loss")):
         assert abs(float(quoted[name]) - s[key]) <= LOSS_ACROSS_CPUS, (name, quoted[name], s[key])
-    assert quoted["communication"] == f"{s['comm/bytes_per_step'] / 2**20:,.1f} MiB sent per step and rank"
+    assert quoted["communication"] == (f"{s['comm/bytes_per_step'] / 2**20:,.1f} MiB sent per step and rank (mean of "
+                                       f"{s['comm/steps']} steps)")
     assert quoted["memory (rank 0)"].startswith(f"model state {s['memory/model_state_bytes'] / 2**20:,.1f} MiB,")
     assert f"ends at a validation loss of {s['val/loss']:.2f} nats" in readme
     assert f"a uniform\nguess over bytes scores {math.log(256):.2f}" in readme
