@@ -15,8 +15,6 @@ import datetime
 import logging
 import os
 import re
-import select
-import signal
 import socket
 import sys
 import threading
@@ -223,47 +221,24 @@ def rendezvous_failure(error: BaseException, rank: int, world_size: int, timeout
 
 @contextlib.contextmanager
 def _bounded(timeout_s: float, why: Callable[[], str]):
-    """Leave the process if the body is still running after `timeout_s`, or at once on a stop signal,
-    saying why in one line on stderr.
-
-    torch's store client does not bound its handshake: a rendezvous port held by a listener that
-    accepts and never answers blocks the rank inside init_process_group, in C, where neither a
-    timeout nor a Python signal handler (the trainer's SIGTERM) ever runs. A watcher thread sees
-    the time run out, and the signal through Python's wakeup fd, which the C handler writes to."""
-    wake_r, wake_w = os.pipe()
-    done_r, done_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    try:
-        previous = signal.set_wakeup_fd(wake_w)  # the main thread only: elsewhere, time alone
-    except ValueError:
-        previous = None
+    """Leave the process, saying why in one line on stderr, if the body is still running after
+    `timeout_s`. torch's store client does not bound its handshake: a rendezvous port held by a
+    listener that accepts and never answers blocks the rank inside init_process_group, in C, where
+    no timeout of torch's fires. (A stop signal meanwhile: the trainer's StopSignals ends the wait.)"""
+    done = threading.Event()
 
     def watch() -> None:
-        ready, _, _ = select.select([wake_r, done_r], [], [], timeout_s)
-        if done_r in ready:
-            return
-        if wake_r in ready:
-            signum = os.read(wake_r, 1)[0]
-            name = signal.Signals(signum).name if signum in signal.valid_signals() else f"signal {signum}"
-            print(f"error: stopped by {name} during the rendezvous (rank "
-                  f"{os.environ.get('RANK', os.environ.get('SLURM_PROCID', '?'))}): nothing was trained",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        print(f"error: {why()}", file=sys.stderr, flush=True)
-        os._exit(1)
+        if not done.wait(timeout_s):
+            os.write(2, f"error: {why()}\n".encode())
+            os._exit(1)
 
     watcher = threading.Thread(target=watch, name="minidist-rendezvous-watch", daemon=True)
     watcher.start()
     try:
         yield
     finally:
-        os.write(done_w, b"x")
+        done.set()
         watcher.join()
-        if previous is not None:
-            signal.set_wakeup_fd(previous)
-            # a signal that came meanwhile is Python's to handle now: its handler runs as usual
-        for fd in (wake_r, wake_w, done_r, done_w):
-            os.close(fd)
 
 
 _CONTEXT: DistContext | None = None

@@ -98,15 +98,28 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> Non
 class RankPool:
     """`world_size` persistent rank processes sharing one process group (gloo unless told otherwise)."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0):
+    startup_s = 0.0  # every pool's start-up time so far (the suite's budget leaves it out: tests/conftest.py)
+    starts = 0
+
+    def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0,
+                 failure_grace_s: float = FAILURE_GRACE_S):
         self.world_size = world_size
         self.backend = backend
         self.start_timeout_s = start_timeout_s
+        self.failure_grace_s = failure_grace_s
         self._procs: list[mp.Process] = []
         self._conns: list = []
 
     # -- lifecycle
     def _start(self) -> None:
+        began = time.monotonic()
+        try:
+            self._spawn()
+        finally:
+            RankPool.startup_s += time.monotonic() - began
+            RankPool.starts += 1
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
         for rank in range(self.world_size):
@@ -147,7 +160,7 @@ class RankPool:
         failed_at: float | None = None
         while len(replies) < self.world_size:
             now = time.monotonic()
-            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+            limit = deadline if failed_at is None else min(deadline, failed_at + self.failure_grace_s)
             if now >= limit:
                 break
             waiting = {self._conns[r]: r for r in range(self.world_size) if r not in replies}

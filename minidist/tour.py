@@ -265,6 +265,7 @@ class Tour:
 def tour_main(cfg_dict: dict) -> list[str]:
     """The tour on one rank (called under torchrun, or by run_local for each local rank)."""
     cfg = OmegaConf.create(cfg_dict)
+    owned = not torch.distributed.is_initialized()  # (a test's rank pool keeps its own group)
     ctx = minidist.init_distributed(backend=cfg.backend, timeout_s=cfg.timeout_s)
     tour = Tour(ctx, cfg)
     minidist.print0(f"minidist primitives tour: {ctx.world_size} ranks, backend {ctx.backend}, device {ctx.device.type}")
@@ -289,7 +290,8 @@ def tour_main(cfg_dict: dict) -> list[str]:
     # Tear the groups down before the interpreter exits: left to the interpreter's own
     # teardown, gloo can abort the process ("terminate called without an active exception").
     comm.barrier()
-    minidist.shutdown()
+    if owned:
+        minidist.shutdown()
     if bad:
         raise SystemExit(1)
     return bad

@@ -9,8 +9,9 @@ ends in one of two ways:
 - "refused": the loop raised, and the message names the supported way (REFUSALS).
 
 Anything else — a difference, or an error that names nothing — fails the test. Native DDP runs
-the same idiom in the same process just before (which is also what exposes a compiled graph
-cached for another instance of the model's class).
+the same idiom in the same process: once per idiom and model (REFERENCES), every strategy's cell
+compared with it; a compiled idiom's just before each cell (which is also what exposes a compiled
+graph cached for another instance of the model's class).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import minidist
-from ddp_cases import max_rel_diff
+from ddp_cases import cached_mesh, max_rel_diff
 
 STEPS = 3
 PER_RANK = 4
@@ -176,7 +177,7 @@ def wrap(strategy: str, net: nn.Module, unused: bool, model_name: str):
     # backward ends (the runtime check). Stages 1-2 take it, and then refuse only what no rank used.
     kwargs["find_unused_parameters"] = unused and not (stage == 3 and model_name == "unused")
     if spec(strategy).hybrid:  # 2 replicas: the replica path runs
-        kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
+        kwargs["mesh"] = cached_mesh(2, dist.get_world_size() // 2)
     model = minidist.ShardedDataParallel(net, opt_factory, stage=stage, **kwargs)
     return model, model.optimizer, functools.partial(model.clip_grad_norm_, CLIP)
 
@@ -266,11 +267,25 @@ def full_state(strategy: str, model, plain: nn.Module) -> dict:
 COMPILE_BACKEND = "aot_eager"
 
 
+# Native DDP's result for each (idiom, model, backend), kept in the rank process: the pool runs the
+# strategies' cells one test after another, and the reference of a cell is the same for all of them.
+REFERENCES: dict[tuple[str, str, str], dict] = {}
+
+
+def reference(idiom: str, model_name: str, backend: str) -> dict:
+    key = (idiom, model_name, backend)
+    if key not in REFERENCES:
+        REFERENCES[key] = train("native_ddp", idiom, model_name)
+    return REFERENCES[key]
+
+
 def cell(strategy: str, idiom: str, model_name: str, backend: str) -> tuple[str, str]:
     """("equal", how close) or ("refused", the message) or ("differs" / "error", what) for one cell."""
     global COMPILE_BACKEND
     COMPILE_BACKEND = backend
-    reference = train("native_ddp", idiom, model_name)
+    if idiom.startswith("compile"):  # the reference's graphs are to be in the cache, as in a user's process
+        REFERENCES.pop((idiom, model_name, backend), None)
+    reference_state = reference(idiom, model_name, backend)
     try:
         ours = train(strategy, idiom, model_name)
     except Exception as e:  # noqa: BLE001 - the cell's outcome is judged by the test
@@ -281,9 +296,9 @@ def cell(strategy: str, idiom: str, model_name: str, backend: str) -> tuple[str,
         return "error", traceback.format_exc()[-2500:]
     finally:
         torch._dynamo.reset()  # each cell compiles afresh (the reference's graphs were still reused above)
-    if list(ours) != list(reference):
-        return "differs", f"keys {list(ours)[:4]}... vs native {list(reference)[:4]}..."
-    worst, where = max_rel_diff(ours, reference)
+    if list(ours) != list(reference_state):
+        return "differs", f"keys {list(ours)[:4]}... vs native {list(reference_state)[:4]}..."
+    worst, where = max_rel_diff(ours, reference_state)
     # resnet18: 20 BatchNorms carry the clip norm's last-bit difference (see SGD) into the running
     # variances; native fully_shard is itself 1.2e-6 from native DDP there (measured).
     tolerance = 1e-5 if model_name == "resnet18" else 1e-6

@@ -42,18 +42,26 @@ class RunsCode:
         return (open, (self.path, "w"))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(ranks, tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpts")
-    out = {}
-    for kind, (strategy, overrides, _) in KINDS.items():
+class Checkpoints(dict):
+    """kind -> a checkpoint of it, each written when a test first asks for it (2 steps, 2 ranks)."""
+
+    def __init__(self, ranks, root):
+        super().__init__()
+        self.ranks, self.root = ranks, root
+
+    def __missing__(self, kind: str):
+        strategy, overrides, _ = KINDS[kind]
         if strategy.startswith("ds_"):
             pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra (pip install -e '.[deepspeed]')")
-        run_dir = root / kind
-        ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", *overrides, strategy=strategy), str(run_dir),
-                     timeout_s=240)
-        out[kind] = latest_checkpoint(run_dir)
-    return out
+        self.ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", *overrides, strategy=strategy),
+                          str(self.root / kind), timeout_s=240)
+        self[kind] = latest_checkpoint(self.root / kind)
+        return self[kind]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(ranks, tmp_path_factory):
+    return Checkpoints(ranks, tmp_path_factory.mktemp("ckpts"))
 
 
 def tampered(checkpoints, kind: str, name: str, tmp_path, manifest_too: bool = True):
@@ -124,13 +132,15 @@ def test_a_truncated_file_is_named(checkpoints, tmp_path):
         check_run_fits(cfg, verified(ckpt), 2)
 
 
-def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path):
+def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path, capsys):
+    """Through the recipe's entry (launch: the checks come before any rank starts)."""
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
+
     ckpt, marker = tampered(checkpoints, "full", "optimizer.pt", tmp_path)
-    out = subprocess.run([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=3", f"trainer.resume={ckpt}"),
-                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    status = launch(compose_cfg(tiny_overrides("trainer.max_steps=3", f"trainer.resume={ckpt}")), tmp_path / "run")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and "optimizer.pt was not loaded" in lines[0], lines[0]
     assert not marker.exists()
 

@@ -115,11 +115,20 @@ def test_compare_exits_1_when_ours_differs(tmp_path):
     ("compare.strategies=[ddp,nope]", "compare.strategies: ['nope'] unknown"),
     ("trainer.micro_batch_size=100000", "fewer than one micro-batch"),  # the trainer's own checks, per strategy
 ])
-def test_config_errors_exit_2_with_one_line(tmp_path, override, message):
-    out, run_dir = compare(tmp_path, override)
-    assert out.returncode == 2, out.stderr[-2000:]
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and message in errors[0], out.stderr[-2000:]
+def test_config_errors_exit_2_with_one_line(tmp_path, override, message, capsys):
+    """recipes/compare.py's main, in this process: the checks come before any rank starts."""
+    from minidist.compare.app import main
+
+    run_dir, saved = tmp_path / "run", sys.argv[:]
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main([*TINY, override, f"hydra.run.dir={run_dir}"])
+    finally:
+        sys.argv = saved
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], err[-2000:]
     assert not (run_dir / "report.md").exists()
 
 

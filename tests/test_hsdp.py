@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import minidist
-from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, max_rel_diff, perturbed, train
+from ddp_cases import PER_RANK_BATCH, build, cached_mesh, global_batch, loss_fn, max_rel_diff, perturbed, train
 from minidist.comm import CommTracer
 from zero_cases import OPTIMIZERS, run_ours, run_reference
 
@@ -24,7 +24,7 @@ STEPS, ACCUMULATE = 4, 2
 def hybrid_strategies(replicate: int, shard: int, model: str):
     """Every hybrid strategy and both references, trained alike; how far each is from each reference."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    mesh = minidist.init_mesh(replicate=replicate, shard=shard, env={})
+    mesh = cached_mesh(replicate, shard)
     base = build(model)
     native = run_reference("ddp", base, model, "adamw", STEPS, ACCUMULATE, None, rank, n)
     inner = perturbed(base, rank)
@@ -61,7 +61,7 @@ def test_hybrid_strategies_equal_ddp(ranks, replicate, shard, model):
 
 def traced_hybrid_step(replicate: int, shard: int, what: str):
     """One step (after a warm-up step) under the tracer: ring-model bytes sent per group, and the shards."""
-    mesh = minidist.init_mesh(replicate=replicate, shard=shard, env={})
+    mesh = cached_mesh(replicate, shard)
     rank, n = dist.get_rank(), dist.get_world_size()
     if what == "hierarchical":
         inner = build("gpt")

@@ -11,7 +11,7 @@ import pytest
 
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.run_log import format_summary
-from train_cases import PYTHON, RECIPE, ROOT, tiny, tiny_overrides, train_on_rank
+from train_cases import PYTHON, RECIPE, ROOT, tiny, tiny_overrides, train_on_rank, train_or_error
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -21,6 +21,7 @@ def recipe(*overrides: str, env: dict | None = None) -> subprocess.CompletedProc
                           env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.launch  # make test's end-to-end bad-input run
 def test_a_port_in_use_under_env_var_launch_is_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -167,7 +168,6 @@ def test_files_the_run_rewrites_replace_a_planted_link_and_never_write_through_i
     their place (renamed over the links), what they pointed to is untouched; a late `.step_N.tmp` link
     (planted after the start-up check) stops the save on every rank, naming the link; and appending
     to a planted log refuses it."""
-    from minidist.testing import RankFailure
     from minidist.train.run_lock import PlantedLink, append_file
 
     run_dir, outside = tmp_path / "run", tmp_path / "outside"
@@ -179,15 +179,28 @@ def test_files_the_run_rewrites_replace_a_planted_link_and_never_write_through_i
     for name in ("config.yaml", "summary.json"):
         assert not (run_dir / name).is_symlink() and (run_dir / name).read_text() != "not the run's"
     plant(run_dir / "checkpoints" / ".step_00000004.tmp", outside / "tmp", is_dir=True)
-    with pytest.raises(RankFailure, match=r"\.step_00000004\.tmp is a symbolic link .* where this run writes its "
-                                          r"checkpoint"):
-        ranks(2).run(train_on_rank, tiny("trainer.max_steps=4"), str(run_dir), timeout_s=240)
+    said = ranks(2).run(train_or_error, tiny("trainer.max_steps=4"), str(run_dir), timeout_s=240)
+    assert said[0] == said[1] and ".step_00000004.tmp is a symbolic link" in said[0], said
+    assert "where this run writes its checkpoint" in said[0]
     plant(run_dir / "logs" / "planted.log", outside / "planted.log")
     with pytest.raises(PlantedLink, match="planted.log is a symbolic link"):
         append_file(run_dir / "logs" / "planted.log")
     assert contents(outside) == {**before, **contents(outside / "tmp"), outside / "planted.log": b"not the run's"}
 
 
+def test_a_diverged_run_stops_and_sets_aside_the_checkpoint_of_its_diverged_weights(ranks, tmp_path):
+    """An absurd learning rate: the loss jumps at step 2 (the update of step 1 made it), so step 1's
+    checkpoint holds diverged weights: it is set aside, and the run stops on every rank alike
+    naming the step, what to do and the setting (the console's one line: the slow test below)."""
+    said = ranks(2).run(train_or_error, tiny("optim.lr=1000", "optim.warmup_steps=0", "trainer.ckpt_every=1",
+                                             "trainer.keep_last=1", "trainer.max_steps=8", "trainer.log_every=2"),
+                        str(tmp_path), timeout_s=240)
+    assert said[0] == said[1] and said[0].startswith("Diverged: step 2: the run diverged: train loss"), said
+    assert "no checkpoint is from before it" in said[0] and "trainer.diverged_loss (0: off)" in said[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000001.diverged"]
+
+
+@pytest.mark.slow(stand_in="test_a_diverged_run_stops_and_sets_aside_the_checkpoint_of_its_diverged_weights")
 def test_a_diverged_run_stops_in_one_line_and_keeps_the_checkpoint_from_before_it(tmp_path):
     """An absurd learning rate: the loss jumps at step 2 (the update of step 1 made it), so step 1's
     checkpoint holds diverged weights: it is set aside, the run stops in one line naming what to do,
@@ -204,13 +217,12 @@ def test_updates_skipped_in_a_row_stop_the_run_before_it_checkpoints_their_state
     """The same learning rate with the loss guard off: the gradient norms turn inf and their updates
     are skipped; checkpoints wait while they are; after 3 in a row the run stops, the checkpoint
     before the divergence (step 1's update was its cause: set aside) never pruned by a later one."""
-    from minidist.testing import RankFailure
     from minidist.train.checkpoint import list_checkpoints
 
-    with pytest.raises(RankFailure, match=r"the run diverged: its last 3 updates were all skipped for a non-finite"):
-        ranks(2).run(train_on_rank, tiny("optim.lr=1000", "optim.warmup_steps=0", "trainer.diverged_loss=0",
-                                         "trainer.ckpt_every=1", "trainer.keep_last=1", "trainer.max_steps=10",
-                                         "trainer.log_every=1"), str(tmp_path), timeout_s=240)
+    said = ranks(2).run(train_or_error, tiny("optim.lr=1000", "optim.warmup_steps=0", "trainer.diverged_loss=0",
+                                             "trainer.ckpt_every=1", "trainer.keep_last=1", "trainer.max_steps=10",
+                                             "trainer.log_every=1"), str(tmp_path), timeout_s=240)
+    assert "the run diverged: its last 3 updates were all skipped for a non-finite" in said[0], said
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert list_checkpoints(tmp_path) == [] and all(n.endswith(".diverged") for n in names) and names, names
 
@@ -243,10 +255,24 @@ def test_a_data_set_smaller_than_one_global_batch_is_refused_before_anything_is_
     assert not (tmp_path / "run").exists()
 
 
+def test_the_rendezvous_is_bounded_by_the_timeout_whatever_blocks_it():
+    """The bound init_distributed puts around torch's rendezvous: past it, one line and exit 1,
+    whatever the body is doing (torch's store handshake blocks in C, where nothing else runs)."""
+    import time
+
+    code = "import time\nfrom minidist.dist import _bounded\nwith _bounded(0.5, lambda: 'why, in one line'):\n" \
+           "    time.sleep(60)\n"
+    start = time.monotonic()
+    out = subprocess.run([PYTHON, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr == "error: why, in one line\n", out.stderr[-2000:]
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.slow(stand_in="test_the_rendezvous_is_bounded_by_the_timeout_whatever_blocks_it")
 def test_a_rank_blocked_in_the_rendezvous_leaves_within_the_timeout_or_at_a_stop_signal(tmp_path):
     """srun-style, rank 1 alone, its rendezvous port held by a listener that accepts and never
-    answers (torch's store client does not bound that handshake): a SIGTERM ends it at once with
-    143, and without one it leaves when launcher.timeout_s runs out; one line each."""
+    answers (torch's store client does not bound that handshake): without a signal it leaves when
+    launcher.timeout_s runs out; a SIGTERM ends it launcher.stop_grace_s later; one line each."""
     import signal
     import time
 
@@ -257,7 +283,7 @@ def test_a_rank_blocked_in_the_rendezvous_leaves_within_the_timeout_or_at_a_stop
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(s.getsockname()[1])}
         for timeout_s, stop in ((60, True), (3, False)):
             start = time.monotonic()
-            p = subprocess.Popen([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=2"),
+            p = subprocess.Popen([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=2"), "launcher.stop_grace_s=2",
                                   f"launcher.timeout_s={timeout_s}", f"hydra.run.dir={tmp_path / str(timeout_s)}"],
                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             if stop:
@@ -267,12 +293,58 @@ def test_a_rank_blocked_in_the_rendezvous_leaves_within_the_timeout_or_at_a_stop
             lines = err.strip().splitlines()
             assert len(lines) == 1, err[-3000:]
             if stop:
-                assert p.returncode == 143 and "stopped by SIGTERM during the rendezvous (rank 1)" in lines[0]
+                assert p.returncode == 143 and lines[0].startswith("error: stopped by SIGTERM before training "
+                                                                   "started: still unfinished launcher.stop_grace_s=2")
             else:
                 assert p.returncode == 1 and "rank 1 of 2: the rendezvous at MASTER_ADDR=127.0.0.1" in lines[0]
                 assert "was not reached within 3 s" in lines[0] and time.monotonic() - start < 60
 
 
+def sweep_in_process(argv: list[str], capsys) -> tuple[int, list[str]]:
+    """recipes/train.py's main in this process (a sweep: -m): its exit status and stderr's lines."""
+    import sys
+
+    from minidist.train.app import main
+
+    saved = sys.argv[:]
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+    finally:
+        sys.argv = saved
+    return stopped.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_sweep_checks_every_job_before_the_first_launches(tmp_path, capsys):
+    status, lines = sweep_in_process(["-m", *tiny_overrides("trainer.max_steps=2", "optim.lr=-1,1e-3,-2"),
+                                      f"hydra.sweep.dir={tmp_path}"], capsys)
+    assert status == 2 and lines == [
+        "error: job 0 (optim.lr=-1): optim (AdamW): Invalid learning rate: -1; fix the optim.* setting it names",
+        "error: job 2 (optim.lr=-2): optim (AdamW): Invalid learning rate: -2; fix the optim.* setting it names",
+        "sweep: 2 of 3 job(s) have settings to fix: nothing was launched"], lines
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_sweep_runs_every_job_after_one_fails(tmp_path, capsys, monkeypatch):
+    """Each job's launch (its ranks replaced by a stand-in that fails job 0, as a run that stops with
+    an error does): the next jobs still run, and a tally ends the sweep with a non-zero status."""
+    import minidist.train.launch_train as launch_train
+
+    launched = []
+
+    def launch(cfg, run_dir, job=None):
+        launched.append((job, cfg.strategy.name))
+        return 1 if cfg.strategy.name == "zero2" else 0
+    monkeypatch.setattr(launch_train, "launch", launch)
+    status, lines = sweep_in_process(["-m", *tiny_overrides("trainer.max_steps=2", "strategy=zero2,ddp,zero3"),
+                                      f"hydra.sweep.dir={tmp_path}"], capsys)
+    assert launched == [("job 0 (strategy=zero2)", "zero2"), ("job 1 (strategy=ddp)", "ddp"),
+                        ("job 2 (strategy=zero3)", "zero3")]
+    assert status == 1 and lines[-1] == "sweep: 3 job(s), 2 done, 1 failed (job 0 (strategy=zero2))", lines
+
+
+@pytest.mark.slow(stand_in="test_a_sweep_runs_every_job_after_one_fails")
 def test_a_sweep_checks_every_job_first_and_runs_every_job_after_one_fails(tmp_path):
     bad = subprocess.run([PYTHON, str(RECIPE), "-m", *tiny_overrides("trainer.max_steps=2", "optim.lr=-1,1e-3"),
                           f"hydra.sweep.dir={tmp_path / 'bad'}"], cwd=ROOT, env=ENV, capture_output=True, text=True,

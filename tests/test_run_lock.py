@@ -41,14 +41,17 @@ def test_a_held_directory_is_refused_naming_the_holder(held):
             pass
 
 
-def test_a_second_training_run_stops_at_once_in_one_line(held):
+def test_a_second_training_run_stops_at_once_in_one_line(held, capsys):
+    """Through the recipe's entry (launch), which takes the lock before any rank starts."""
+    from minidist.train.launch_train import launch
+    from train_cases import compose_cfg
+
     run_dir, proc = held
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
     started = time.monotonic()
-    out = subprocess.run([PYTHON, str(RECIPE), *tiny_overrides("trainer.max_steps=2"), f"hydra.run.dir={run_dir}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1 and f"pid {proc.pid}" in lines[0], out.stderr[-2000:]
+    status = launch(compose_cfg(tiny_overrides("trainer.max_steps=2")), run_dir)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and f"pid {proc.pid}" in lines[0], lines
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before  # nothing written
     assert time.monotonic() - started < 60
 

@@ -130,8 +130,9 @@ def stopped_line(err: str, name: str, run_dir: Path) -> int:
     return step
 
 
-@pytest.mark.parametrize("checkpoints", ["sync", pytest.param("async", marks=pytest.mark.slow(
-    stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step[sync]"))])
+@pytest.mark.parametrize("checkpoints", [pytest.param("sync", marks=pytest.mark.launch),  # make test's stop
+                                         pytest.param("async", marks=pytest.mark.slow(
+                                             stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step[sync]"))])
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, checkpoints):
     """SIGUSR1 (SLURM's warning) to rank 1 alone: both ranks agree, the step is checkpointed, the
     launcher exits 138 with rank 0's one line, and no rank is left. With background checkpoints,

@@ -108,7 +108,7 @@ def _one_epoch(sampler):
 
 def test_stdlib_text_is_the_standard_library_in_sorted_order():
     files = stdlib_files()
-    assert files == sorted(files) and len(files) > 100
+    assert list(files) == sorted(files) and len(files) > 100
     assert not any("site-packages" in f.parts for f in files)
     train, val, _ = build_datasets(data_cfg("stdlib_text", max_bytes=50000, val_fraction=0.1), 64)
     assert bytes(train.tokens[:200].tolist()) == files[0].read_bytes()[:200]

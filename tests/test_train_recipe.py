@@ -43,7 +43,7 @@ def files_under(d: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
 
 
-@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")  # run dir, logs
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")  # run dir, logs
 def test_self_launched_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", n_train=64, n_test=16)
     run_dir = tmp_path / "run"
@@ -90,10 +90,11 @@ def check_sweep(sweep: Path, out: subprocess.CompletedProcess, strategies: str =
     assert out.stdout.count("summary\n") == len(strategies.split(","))  # one per job, from rank 0
 
 
-# Every strategy in `make test-all`; `make test` sweeps one of each checkpoint layout (full, sharded,
-# torch's gathered) — the mechanism is the same for every job, and each strategy trains and resumes
-# in test_train_strategies.py.
-@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")), "ddp,zero3,native_fsdp"])
+# Every strategy in `make test-all`; `make test` sweeps the two checkpoint layouts of ours (full,
+# sharded) — the mechanism is the same for every job, and each strategy trains and resumes in
+# test_train_strategies.py.
+@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")),
+                                        pytest.param("ddp,zero3", marks=pytest.mark.launch)])
 def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     """torchrun starts the ranks once; Hydra's sweep runs each strategy's job on them in turn."""
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -104,10 +105,10 @@ def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     jobs = len(strategies.split(","))
     launching = f"Launching {jobs} jobs locally"
     assert out.stdout.count(launching) + out.stderr.count(launching) == 1
-    assert consolidate(latest_checkpoint(sweep / str(jobs - 1)))  # native_fsdp: a full state_dict
+    assert consolidate(latest_checkpoint(sweep / str(jobs - 1)))  # the last layout: a full state_dict
 
 
-@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3,native_fsdp]")
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")
 def test_a_self_launched_sweep(tmp_path):
     """Each job of the sweep starts its own 2 local ranks (two jobs: the mechanism is the same for
     every strategy, and the torchrun sweep above already runs each one)."""
@@ -118,7 +119,7 @@ def test_a_self_launched_sweep(tmp_path):
     check_sweep(sweep, out, two)
 
 
-def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+def test_command_line_errors_are_one_line_and_write_nothing(ranks, tmp_path, capsys):
     import re
     import shutil
 
@@ -128,17 +129,20 @@ def test_command_line_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     from minidist.train.manifest import write_manifest
     from train_cases import compose_cfg
 
+    from minidist.train.app import main
+    from train_cases import tiny, train_on_rank
+
     run_dir = tmp_path / "run"
-    ok = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}")
-    assert ok.returncode == 0, ok.stderr[-3000:]
+    ranks(2).run(train_on_rank, tiny("trainer.max_steps=2"), str(run_dir), timeout_s=240)
+    (run_dir / "summary.json").write_text("{}")  # (written by the launcher's ranks in a real run)
     before = files_under(run_dir)
     # From the command line once (exit status 2, one line on stderr, nothing else) ...
-    out = train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", "trainer.precision=fp32x")
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    status, lines = one_line_error(main, [*tiny_overrides("trainer.max_steps=2"), f"hydra.run.dir={run_dir}",
+                                          "trainer.precision=fp32x"], capsys)
+    assert status == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: trainer.precision='fp32x'"), lines
-    # ... and the other mistakes through the same entry point in-process: launch() checks the
-    # config before it starts a rank, so no launch is needed to see its answer.
+    # ... and the other mistakes through the same entry point: launch() checks the config before
+    # it starts a rank, so no launch is needed to see its answer.
     bad = [
         (["model.n_embd=48"], "trainer.resume: .* holds model"),
         (["trainer.resume=none"], "already holds checkpoints and trainer.resume=none"),
@@ -252,39 +256,39 @@ def test_consolidate_command(tmp_path):
     assert [c.name for c in list_checkpoints(tmp_path / "branch")] == ["step_00000004"]
 
 
-KILL_WHILE_SAVING = textwrap.dedent("""
-    import os, sys, torch
-    sys.path.insert(0, {tests!r})
+def train_dying_in_the_second_save(cfg_dict: dict, run_dir: str) -> None:
+    """The trainer on this rank, killed (os._exit: no clean-up of any kind) once the second
+    checkpoint's first file is on disk."""
+    import torch
     from omegaconf import OmegaConf
-    from train_cases import tiny
+
     from minidist.train import checkpoint
     from minidist.train.trainer import Trainer
 
-    cfg = OmegaConf.create(tiny("trainer.ckpt_every=2", "trainer.max_steps=6", strategy="single"))
-    trainer = Trainer(cfg, {run_dir!r})
-    real_save, calls = torch.save, []
-    def dying_save(obj, f, *a, **k):  # the second checkpoint dies after its first file
+    trainer = Trainer(OmegaConf.create(cfg_dict), run_dir)
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
         real_save(obj, f, *a, **k)
-        calls.append(f)
         if ".step_00000004.tmp" in str(f):
             os._exit(9)
     checkpoint.torch.save = dying_save
     trainer.fit()
-""")
 
 
-def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(tmp_path):
+def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(ranks, tmp_path):
+    from minidist.testing import RankFailure
+    from train_cases import tiny, train_on_rank
+
     run_dir = tmp_path / "run"
-    script = KILL_WHILE_SAVING.format(tests=str(ROOT / "tests"), run_dir=str(run_dir))
-    out = run([PYTHON, "-c", script])
-    assert out.returncode == 9, out.stderr[-3000:]
+    cfg = tiny("trainer.ckpt_every=2", "trainer.max_steps=6", strategy="single")
+    with pytest.raises(RankFailure, match="rank 0 died"):
+        ranks(1).run(train_dying_in_the_second_save, cfg, str(run_dir), timeout_s=120)
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000002"]  # the complete one only
     assert (run_dir / "checkpoints" / ".step_00000004.tmp").is_dir()  # the partial one, never listed
-    resumed = train("trainer.ckpt_every=2", "trainer.max_steps=6", f"hydra.run.dir={run_dir}", nproc=1,
-                    strategy="single")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
-    assert not (run_dir / "checkpoints" / ".step_00000004.tmp").exists()  # cleaned by the next save
+    resumed = ranks(1).run(train_on_rank, cfg, str(run_dir), str(list_checkpoints(run_dir)[-1]), timeout_s=120)
+    assert resumed[0]["step"] == 6
+    assert not (run_dir / "checkpoints" / ".step_00000004.tmp").exists()  # cleaned at the start
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006"]
 
 
@@ -301,7 +305,7 @@ def start_ranks(cmd: list[str], envs: list[dict]) -> list[tuple[str, str]]:
     return outs
 
 
-@pytest.mark.slow(stand_in="test_srun_style_launch_reads_slurm_variables")
+@pytest.mark.slow(stand_in="test_dist.py::test_slurm_environment")
 def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
     """scripts/multinode_train.sh on two "machines" of one rank each, meeting on 127.0.0.1."""
     from minidist.dist import free_port
@@ -318,6 +322,7 @@ def test_two_nodes_with_c10d_rendezvous_on_loopback(tmp_path):
     assert sorted(p.name for p in (run_dir / "logs").glob("rank_*.log")) == ["rank_0.log", "rank_1.log"]
 
 
+@pytest.mark.slow(stand_in="test_dist.py::test_slurm_environment")  # two fresh processes importing torch
 def test_srun_style_launch_reads_slurm_variables(tmp_path):
     """What `srun --ntasks=2 python recipes/train.py` gives each task: SLURM's variables, no torchrun."""
     from minidist.dist import free_port

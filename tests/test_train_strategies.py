@@ -1,7 +1,8 @@
 """The trainer with every strategy, on the rank pool: exact resume, consolidation, equal results.
 
-Exact resume: 20 steps straight equal 10 steps (trainer.stop_at=10) and then 10 more from
-the checkpoint — model, optimizer, RNG states, bitwise (fp32 on CPU).
+Exact resume: 4 steps straight equal 2 steps (trainer.stop_at=2) and then 2 more from the
+checkpoint — model, optimizer, RNG states, data position, bitwise (fp32 on CPU). (Any state a
+resume did not restore shows in the first step after it.)
 """
 
 import pytest
@@ -26,22 +27,25 @@ SLOW_RESUME_MARK = pytest.mark.slow(stand_in="test_resume_is_exact_and_consolida
                                       if s.startswith(("native_", "ds_")) or s in SLOW_RESUME else s
                                       for s in names() if (CONFIGS / "strategy" / f"{s}.yaml").is_file()])
 def test_resume_is_exact_and_consolidates(strategy, ranks, tmp_path):
-    """20 steps straight = 10 + 10 resumed, bitwise. Dropout is on: its masks come from each
+    """4 steps straight = 2 + 2 resumed, bitwise. Dropout is on: its masks come from each
     rank's random stream, so only a resume that restores that stream stays exact."""
-    pool = ranks(world_for(strategy))
-    cfg = tiny(*mesh_options(strategy), "model.dropout=0.1", strategy=strategy)
+    # DiLoCo with each rank a worker (2 workers, no mesh): its workers layout is the same; its
+    # workers of several ranks resume in test_diloco.py.
+    world, mesh = (2, ()) if strategy.startswith("diloco") else (world_for(strategy), mesh_options(strategy))
+    pool = ranks(world)
+    common = (*mesh, "model.dropout=0.1", "trainer.max_steps=4", "trainer.log_every=2")
+    cfg = tiny(*common, strategy=strategy)
     straight = pool.run(train_on_rank, cfg, str(tmp_path / "straight"), timeout_s=180)
-    first = pool.run(train_on_rank, tiny("trainer.stop_at=10", *mesh_options(strategy), "model.dropout=0.1",
-                                         strategy=strategy),
-                     str(tmp_path / "split"), timeout_s=180)
+    first = pool.run(train_on_rank, tiny("trainer.stop_at=2", *common, strategy=strategy), str(tmp_path / "split"),
+                     timeout_s=180)
     ckpts = list_checkpoints(tmp_path / "split")
-    assert [c.name for c in ckpts] == ["step_00000010"]
-    assert first[0]["step"] == 10
+    assert [c.name for c in ckpts] == ["step_00000002"]
+    assert first[0]["step"] == 2
     second = pool.run(train_on_rank, cfg, str(tmp_path / "split"), str(ckpts[0]), timeout_s=180)
-    assert second[0]["step"] == 20
+    assert second[0]["step"] == 4
 
     a, b = (list_checkpoints(tmp_path / d)[-1] for d in ("straight", "split"))
-    assert a.name == b.name == "step_00000020"
+    assert a.name == b.name == "step_00000004"
     assert_same(load_everything(a), load_everything(b), strategy)  # model, optimizer, every rank's own state
     assert_same(read_meta(a)["data"], read_meta(b)["data"])
     assert straight[0]["train/loss"] == second[0]["train/loss"]
@@ -147,11 +151,8 @@ def test_bf16_stage3_gathers_bf16_parameters_and_reduces_in_fp32(ranks, tmp_path
     assert out[0] == out[1] == {"param": torch.bfloat16, "reduce": torch.float32}
 
 
-SLOW_BATCHNORM = pytest.mark.slow(stand_in="test_resume_is_exact_on_every_rank_with_batchnorm[zero2]")
-
-
-@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=SLOW_BATCHNORM), "zero2",
-                                      pytest.param("native_fsdp", marks=SLOW_BATCHNORM)])
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow(  # resnet18's 11M parameters
+    stand_in="test_resume_is_exact_and_consolidates[zero2]")) for s in ("ddp", "zero2", "native_fsdp")])
 def test_resume_is_exact_on_every_rank_with_batchnorm(strategy, ranks, tmp_path):
     """torchvision's resnet18 (BatchNorm): after 4 steps straight or 2 + 2 resumed, every rank holds
     the same parameters and the same buffers, including BatchNorm statistics a strategy leaves

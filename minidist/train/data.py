@@ -67,10 +67,15 @@ class DataSource:
 # --------------------------------------------------------------------------- text
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files (third-party site-packages excluded), sorted by path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+@functools.lru_cache(maxsize=1)
+def stdlib_files() -> tuple[Path, ...]:
+    """The standard library's .py files (third-party site-packages excluded), sorted by path. Listed
+    once a process, with os.walk: pathlib's rglob took most of a small run's start-up (0.7 s of 0.9)."""
+    found = []
+    for folder, subfolders, files in os.walk(sysconfig.get_paths()["stdlib"]):
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return tuple(p for p in sorted(found) if p.is_file())
 
 
 def text_files(path: str) -> list[Path]:
@@ -129,8 +134,12 @@ class TextBytes(DataSource):
 
     @functools.cached_property
     def _total_bytes(self) -> int:
-        total = sum(f.stat().st_size + 1 for f in self.files())  # from file sizes alone (listed once)
-        return min(total, self.max_bytes) if self.max_bytes else total
+        total = 0
+        for f in self.files():  # from file sizes alone, up to max_bytes
+            total += f.stat().st_size + 1
+            if self.max_bytes and total >= self.max_bytes:
+                return self.max_bytes
+        return total
 
     def train_size(self, block_size: int) -> int:
         return int(self._total_bytes * (1.0 - self.val_fraction) - 1) // block_size
