@@ -85,6 +85,10 @@ def mesh_shape(world_size: int, replicate: int | None, shard: int | None, per_ho
     return replicate, shard
 
 
+# The meshes made in this process: (R, S, timeout) -> (the world group they were made in, the mesh).
+_MADE: dict[tuple, tuple[object, Mesh]] = {}
+
+
 def init_mesh(replicate: int | None = None, shard: int | None = None, *, timeout_s: float | None = None,
               env: Mapping[str, str] | None = None) -> Mesh:
     """Build the 2-D process groups over the whole world; a collective: every rank calls it alike.
@@ -95,16 +99,26 @@ def init_mesh(replicate: int | None = None, shard: int | None = None, *, timeout
         timeout_s: the groups' collective timeout (default: the world's).
         env: where to read the host layout (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE);
             default os.environ. Where it is known, shard groups must not straddle hosts.
+
+    The same shape again in the same process group gives the mesh made the first time: a group
+    holds its communicators (and gloo's threads) until the process ends, and a process that trains
+    several times (a sweep under torchrun) would pile them up.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs a process group: call minidist.init_distributed() first")
     world, rank = dist.get_world_size(), dist.get_rank()
     R, S = mesh_shape(world, replicate, shard, ranks_per_host(env))
+    default = dist.distributed_c10d._get_default_group()
+    made = _MADE.get((R, S, timeout_s))
+    if made is not None and made[0] is default:
+        return made[1]
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
     shard_ranks = [list(range(h * S, (h + 1) * S)) for h in range(R)]
     replicate_ranks = [list(range(s, world, S)) for s in range(S)]
     # Every rank creates every group, in the same order (torch.distributed's rule for new_group).
     shard_groups = [dist.new_group(ranks, **kwargs) for ranks in shard_ranks]
     replicate_groups = [dist.new_group(ranks, **kwargs) for ranks in replicate_ranks]
-    return Mesh(replicate=R, shard=S, rank=rank, shard_group=shard_groups[rank // S],
+    mesh = Mesh(replicate=R, shard=S, rank=rank, shard_group=shard_groups[rank // S],
                 replicate_group=replicate_groups[rank % S], shard_ranks=shard_ranks, replicate_ranks=replicate_ranks)
+    _MADE[R, S, timeout_s] = default, mesh
+    return mesh

@@ -21,6 +21,7 @@ Never hang, never flake:
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -43,6 +44,10 @@ FAILURE_GRACE_S = 5.0
 # them for the next run in the same process, as they may in a real one. New processes are what
 # a new run gets anyway.
 MAX_GROUPS_HELD = 24
+# What a rank imports once started, before its first task: the strategies and the trainer (torch.compile's
+# machinery with them), and the native references, which nearly every task uses.
+PRELOADED = ("minidist.parallel.zero3", "minidist.parallel.ddp", "minidist.train.trainer", "torch.distributed.fsdp",
+             "torch.distributed.tensor")
 
 
 class RankFailure(AssertionError):
@@ -73,6 +78,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, conn) -> Non
         import minidist
 
         minidist.init_distributed(backend=backend, timeout_s=60)
+        for module in PRELOADED:  # part of starting a rank: every test's first task on it would pay it
+            importlib.import_module(module)
         conn.send_bytes(pickle.dumps(("ready", None)))
         while True:
             task = pickle.loads(conn.recv_bytes())
@@ -100,6 +107,7 @@ class RankPool:
 
     startup_s = 0.0  # every pool's start-up time so far (the suite's budget leaves it out: tests/conftest.py)
     starts = 0
+    start_log: list[tuple[int, str, str, float]] = []  # (world size, why, during which test, seconds)
 
     def __init__(self, world_size: int, backend: str = "gloo", start_timeout_s: float = 120.0,
                  failure_grace_s: float = FAILURE_GRACE_S):
@@ -107,6 +115,7 @@ class RankPool:
         self.backend = backend
         self.start_timeout_s = start_timeout_s
         self.failure_grace_s = failure_grace_s
+        self._why_start = "first"  # (the start log's: then "after a failure", or "groups held")
         self._procs: list[mp.Process] = []
         self._conns: list = []
 
@@ -116,8 +125,12 @@ class RankPool:
         try:
             self._spawn()
         finally:
-            RankPool.startup_s += time.monotonic() - began
+            took = time.monotonic() - began
+            RankPool.startup_s += took
             RankPool.starts += 1
+            RankPool.start_log.append((self.world_size, self._why_start, os.environ.get("PYTEST_CURRENT_TEST", ""),
+                                       took))
+            self._why_start = "after a failure"
 
     def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
@@ -204,4 +217,5 @@ class RankPool:
             raise RankFailure("\n".join(errors))
         if max(held for _, _, held in replies) > MAX_GROUPS_HELD:
             self.close()  # their threads would slow every later test: fresh ranks next time
+            self._why_start = "groups held"
         return [value for _, value, _ in replies]

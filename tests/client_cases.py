@@ -45,6 +45,25 @@ def tutorial_at_stage3(directory: str) -> str:
         return str(e)
 
 
+# What native DDP's runs of a script gave, by their arguments (the directory aside): every port of the
+# script in a test is compared with them, and a rank process runs many tests.
+NATIVE: dict[tuple, object] = {}
+
+
+def native_once(runs):
+    """`runs(how, directory, *args)`, with how="native" run once a rank process for its arguments."""
+    @functools.wraps(runs)  # its name: the pool's pickle finds it as the module's
+    def wrapped(how: str, directory: str, *args, **kwargs):
+        if how != "native":
+            return runs(how, directory, *args, **kwargs)
+        key = (runs.__name__, args, tuple(sorted(kwargs.items())))
+        if key not in NATIVE:
+            NATIVE[key] = runs(how, directory, *args, **kwargs)
+        return NATIVE[key]
+    return wrapped
+
+
+@native_once
 def mingpt_runs(how: str, directory: str, grad_norm_clip: float):
     """2 epochs straight; 1 epoch, then a restart that resumes (model, optimizer) to epoch 2."""
     run = lambda epochs, name: mingpt.main(epochs, how, f"{directory}/{how}_{name}_{grad_norm_clip}.pt",  # noqa: E731
@@ -82,6 +101,7 @@ def fsdp2_meta(how: str):
         return str(e)
 
 
+@native_once
 def nanogpt_runs(how: str, directory: str, compiled: bool = False, **kwargs):
     """6 iterations straight; 3, then a restart with init_from="resume" to 6 (nanoGPT's checkpoint:
     rank 0 saves, every rank loads it before wrapping)."""

@@ -96,3 +96,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     verdict = "within" if total <= GOAL_S else "OVER"
     terminalreporter.write_line(f"make test: {total:.0f} s of pytest, {verdict} the {GOAL_S:.0f} s goal "
                                 f"({RankPool.startup_s:.0f} s of it starting {RankPool.starts} rank pool(s))")
+    if os.environ.get("MINIDIST_POOL_LOG"):
+        for world, why, test, took in RankPool.start_log:
+            terminalreporter.write_line(f"  pool of {world} started ({why}, {took:.1f} s): {test}")

@@ -37,18 +37,6 @@ class ConvNet(nn.Module):
         return self.fc(self.features(x).flatten(1))
 
 
-_MESHES: dict[tuple[int, int], "minidist.Mesh"] = {}
-
-
-def cached_mesh(replicate: int, shard: int):
-    """minidist.init_mesh(replicate, shard), made once per rank process. A pool's ranks run many
-    tasks, and every mesh keeps its groups (gloo's polling threads with them): past a few dozen the
-    pool replaces its ranks (minidist.testing.MAX_GROUPS_HELD), which costs seconds a time."""
-    if (replicate, shard) not in _MESHES:
-        _MESHES[replicate, shard] = minidist.init_mesh(replicate=replicate, shard=shard, env={})
-    return _MESHES[replicate, shard]
-
-
 PER_RANK_BATCH = 4
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import minidist
-from ddp_cases import cached_mesh, max_rel_diff
+from ddp_cases import max_rel_diff
 
 STEPS = 3
 PER_RANK = 4
@@ -177,7 +177,7 @@ def wrap(strategy: str, net: nn.Module, unused: bool, model_name: str):
     # backward ends (the runtime check). Stages 1-2 take it, and then refuse only what no rank used.
     kwargs["find_unused_parameters"] = unused and not (stage == 3 and model_name == "unused")
     if spec(strategy).hybrid:  # 2 replicas: the replica path runs
-        kwargs["mesh"] = cached_mesh(2, dist.get_world_size() // 2)
+        kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
     model = minidist.ShardedDataParallel(net, opt_factory, stage=stage, **kwargs)
     return model, model.optimizer, functools.partial(model.clip_grad_norm_, CLIP)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minidist
-from ddp_cases import PER_RANK_BATCH, build, cached_mesh, global_batch, loss_fn, max_rel_diff, perturbed
+from ddp_cases import PER_RANK_BATCH, build, global_batch, loss_fn, max_rel_diff, perturbed
 from minidist.comm import CommTracer
 
 STAGE_KW = {1: {"bucket_cap_mb": 0.01}, 2: {"bucket_cap_mb": 0.01}, 3: {"min_unit_params": 1000}}
@@ -50,7 +50,7 @@ def wrap(kind: str, net: nn.Module, optimizer: torch.optim.Optimizer, **kwargs):
     if kind == "ddp":
         return minidist.DataParallel(net, **kwargs)
     if kind.startswith("hsdp"):
-        kwargs["mesh"] = cached_mesh(2, dist.get_world_size() // 2)
+        kwargs["mesh"] = minidist.init_mesh(replicate=2, shard=dist.get_world_size() // 2, env={})
     stage = int(kind[-1])
     model = minidist.ShardedDataParallel(net, optimizer, stage=stage, **{**STAGE_KW[stage], **kwargs})
     assert isinstance(optimizer, functools.partial) or model.optimizer is optimizer  # the script's own object

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow(stand_in="test_committed_document_is_the_rendering_of_the_committed_data")  # compiles every variant
+@pytest.mark.slow(stand_in="test_benchmarks_doc.py::test_the_committed_document_is_the_rendering_of_the_committed_data")  # compiles every variant
 def test_tiny_benchmark_reports_every_variant_with_an_interval(tmp_path):
     cmd = [sys.executable, "recipes/bench_compile.py", "compiler=aot_eager", "warmup=1", "steps=3",
            "gpt.n_layer=1", "gpt.n_embd=32", "gpt.n_head=2", "gpt.block_size=16", "gpt.batch=2",
@@ -29,6 +29,7 @@ def test_tiny_benchmark_reports_every_variant_with_an_interval(tmp_path):
     assert r["variants"]["native_ddp"]["paired_ratio"] == 1.0
 
 
+@pytest.mark.slow(stand_in="test_benchmarks_doc.py::test_the_committed_document_is_the_rendering_of_the_committed_data")
 def test_committed_document_is_the_rendering_of_the_committed_data():
     proc = subprocess.run([sys.executable, "scripts/render_compile_bench.py", "--check"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)

@@ -80,11 +80,12 @@ def test_a_speedup_target_needs_the_whole_interval_above_it():
 
 
 SCALE = ROOT / "scripts" / "make_scale_doc.py"
+SCALE_DOC = ROOT / "docs" / "scale.md"
 
 
 def test_the_scale_document_is_the_rendering_of_the_cost_model_and_the_committed_runs(tmp_path):
     make_scale_doc = load_script(SCALE)
-    assert make_scale_doc.render(img=tmp_path) == (ROOT / "docs" / "scale.md").read_text(), \
+    assert make_scale_doc.render(img=tmp_path) == SCALE_DOC.read_text(), \
         "docs/scale.md differs from the cost model or its data: run python scripts/make_scale_doc.py --render-only"
 
 

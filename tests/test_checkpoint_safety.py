@@ -76,7 +76,10 @@ def tampered(checkpoints, kind: str, name: str, tmp_path, manifest_too: bool = T
     return ckpt, marker
 
 
-@pytest.mark.parametrize("kind, name", [(k, n) for k, (_, _, names) in KINDS.items() for n in names])
+# make test-all: DeepSpeed's own files too (its engine's start-up costs seconds)
+@pytest.mark.parametrize("kind, name", [pytest.param(k, n, marks=pytest.mark.slow(
+    stand_in="test_tampered_file_is_refused_by_resume_and_consolidate[full-meta.pt]")) if k == "deepspeed" else (k, n)
+                                        for k, (_, _, names) in KINDS.items() for n in names])
 def test_tampered_file_is_refused_by_resume_and_consolidate(checkpoints, kind, name, tmp_path):
     strategy, overrides, _ = KINDS[kind]
     ckpt, marker = tampered(checkpoints, kind, name, tmp_path)
@@ -91,7 +94,8 @@ def test_tampered_file_is_refused_by_resume_and_consolidate(checkpoints, kind, n
     assert not (tmp_path / "out.pt").exists()
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow(stand_in="test_a_changed_file_fails_the_manifest[full]"))
+                                  if k == "deepspeed" else k for k in KINDS])  # DeepSpeed's start-up: make test-all
 def test_a_changed_file_fails_the_manifest(checkpoints, kind, tmp_path):
     """Without the manifest rewritten, the changed file is refused by its checksum, unopened."""
     name = KINDS[kind][2][0]

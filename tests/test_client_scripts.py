@@ -51,11 +51,11 @@ def test_ddp_tutorial_script_at_stage3_names_full_state_dict(ranks, tmp_path):
     assert rank1 == "trained"  # only rank 0 saves
 
 
-# The fast suite runs two of the eight (ddp and zero2, bitwise); the slow one the others, which
-# these stand for.
-SLOW = pytest.mark.slow(stand_in="test_mingpt_script[ddp-1000000000000.0]")
-MINGPT_CASES = [("ddp", 1e12), ("zero2", 1e12),
-                *(pytest.param(h, c, marks=SLOW) for h, c in [("ddp", 1.0), ("zero1", 1.0), ("zero2", 1.0),
+# make test runs one of the eight, zero2 without clipping, bitwise (DataParallel ported by the import
+# alone: the nanoGPT script); make test-all the others.
+SLOW = pytest.mark.slow(stand_in="test_mingpt_script[zero2-1000000000000.0]")
+MINGPT_CASES = [("zero2", 1e12),
+                *(pytest.param(h, c, marks=SLOW) for h, c in [("ddp", 1e12), ("ddp", 1.0), ("zero1", 1.0), ("zero2", 1.0),
                                                             ("zero3", 1.0), ("zero1", 1e12), ("zero3", 1e12)])]
 
 

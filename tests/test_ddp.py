@@ -15,6 +15,7 @@ import torch.distributed as dist
 import minidist
 from minidist.comm import CommTracer
 import ddp_cases  # tests/ is on sys.path (pytest rootdir import mode); rank processes inherit it
+from grid import grid
 
 compare = ddp_cases.compare_with_native
 
@@ -29,9 +30,10 @@ def check(results, world_size, single=True):
             assert r["rel_single"][0] <= 1e-5, f"rank {rank}: vs single process {r['rel_single']}"
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("model", ["mlp", "gpt", "cnn"])
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+# make test: every pair of world size, model and optimizer; make test-all: the whole product (grid.py).
+@pytest.mark.parametrize("world_size, model, optim", grid([2, 3, 4], ["mlp", "gpt", "cnn"], ["sgd", "adamw"],
+                                                         slow=pytest.mark.slow(
+                                                             stand_in="test_matches_native_ddp_and_single_process")))
 def test_matches_native_ddp_and_single_process(ranks, world_size, model, optim):
     # BatchNorm normalises with per-rank batch statistics, so a CNN with BatchNorm is not
     # equivalent to one process on the full batch; it is compared with native DDP only.

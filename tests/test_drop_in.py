@@ -67,24 +67,22 @@ SLOW_MODELS = ["resnet18"]
 FAST_MODELS = [m for m in MODELS if m not in SLOW_MODELS]
 
 
-def slow_unless(fast: bool, stand_in: str):
-    return () if fast else (pytest.mark.slow(stand_in=stand_in),)
-
-
 LOOP = [i for i in IDIOMS if i not in COMPILE]
 HALVES = {"compiled": COMPILE, "loop": LOOP[:len(LOOP) // 2], "loop2": LOOP[len(LOOP) // 2:]}
+FAST_2 = ("ddp", "zero2", "zero3")
+SLOW_IDIOMS = pytest.mark.slow(stand_in="test_drop_in_idioms_at_2_ranks")
+SLOW_MODEL_CELLS = pytest.mark.slow(stand_in="test_drop_in_models_at_2_ranks")
+SLOW_HYBRID = pytest.mark.slow(stand_in="test_drop_in_hybrid_on_a_2x2_mesh")
 
 
-@pytest.mark.parametrize("strategy, half", [
-    pytest.param(s, h, marks=slow_unless(s in ("ddp", "zero2", "zero3"), f"test_drop_in_idioms_at_2_ranks[zero2-{h}]"))
-    for s in OURS_2 + NATIVE for h in HALVES])
+@pytest.mark.parametrize("strategy, half", [pytest.param(s, h, marks=() if s in FAST_2 else SLOW_IDIOMS)
+                                            for s in OURS_2 + NATIVE for h in HALVES])
 def test_drop_in_idioms_at_2_ranks(ranks, strategy, half):
     check(ranks(2).run(matrix, cells([strategy], HALVES[half], []), timeout_s=600))
 
 
 @pytest.mark.parametrize("strategy, models", [
-    pytest.param(s, m, marks=slow_unless(s in ("ddp", "zero2", "zero3") and m == "fast",
-                                         "test_drop_in_models_at_2_ranks[zero2-fast]"))
+    pytest.param(s, m, marks=() if s in FAST_2 and m == "fast" else SLOW_MODEL_CELLS)
     for s in OURS_2 + NATIVE for m in ("fast", "resnet18")])
 def test_drop_in_models_at_2_ranks(ranks, strategy, models):
     check(ranks(2).run(matrix, cells([strategy], [], FAST_MODELS if models == "fast" else SLOW_MODELS), timeout_s=600))
@@ -93,9 +91,8 @@ def test_drop_in_models_at_2_ranks(ranks, strategy, models):
 HYBRID_MODELS = ["dict", "unused", "unused_on_one_rank", "frozen", "gpt", "batchnorm"]
 
 
-@pytest.mark.parametrize("strategy, half", [
-    pytest.param(s, h, marks=slow_unless(s == "hsdp3", f"test_drop_in_hybrid_on_a_2x2_mesh[hsdp3-{h}]"))
-    for s in ("hsdp2", "hsdp3") for h in ("loop", "loop2", "models")])
+@pytest.mark.parametrize("strategy, half", [pytest.param(s, h, marks=() if s == "hsdp3" else SLOW_HYBRID)
+                                            for s in ("hsdp2", "hsdp3") for h in ("loop", "loop2", "models")])
 def test_drop_in_hybrid_on_a_2x2_mesh(ranks, strategy, half):
     # compiled hybrids: the slow test (4 ranks compile slowly)
     check(ranks(4).run(matrix, cells([strategy], HALVES[half], []) if half != "models" else

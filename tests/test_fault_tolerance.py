@@ -2,6 +2,7 @@
 from the latest complete checkpoint, and the result bitwise equal to an uninterrupted run."""
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -99,7 +100,7 @@ def test_nan_gradients_skip_the_update_or_stop(ranks, tmp_path):
     import torch
 
     from minidist.train.checkpoint import list_checkpoints
-    from train_cases import train_on_rank
+    from train_cases import train_on_rank, train_or_error
 
     out = ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "debug.nan_rank=1", "trainer.max_steps=6",
                                            strategy="zero2"), str(tmp_path / "skip"), timeout_s=120)
@@ -109,9 +110,11 @@ def test_nan_gradients_skip_the_update_or_stop(ranks, tmp_path):
     assert "step 3: non-finite gradient norm (nan): the update was skipped" in \
         (tmp_path / "skip" / "logs" / "rank_0.log").read_text()
 
-    with pytest.raises(Exception, match=r"step 3: non-finite gradient norm \(nan\).*stopping at step 4 \(trainer.nonfinite=stop\)"):
-        ranks(2).run(train_on_rank, tiny("debug.nan_at_step=3", "trainer.nonfinite=stop", "trainer.ckpt_every=2",
-                                         "trainer.max_steps=6", strategy="ddp"), str(tmp_path / "stop"), timeout_s=120)
+    said = ranks(2).run(train_or_error, tiny("debug.nan_at_step=3", "trainer.nonfinite=stop", "trainer.ckpt_every=2",
+                                             "trainer.max_steps=6", strategy="ddp"), str(tmp_path / "stop"),
+                        timeout_s=120)
+    assert all(re.search(r"step 3: non-finite gradient norm \(nan\).*stopping at step 4 \(trainer.nonfinite=stop\)", s)
+               for s in said), said
     assert [c.name for c in list_checkpoints(tmp_path / "stop")] == ["step_00000002"]
 
 
@@ -212,7 +215,7 @@ def init_with(env_vars: dict) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-c", INIT], env={**ENV, **env_vars}, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.slow(stand_in="test_one_line_failures.py::test_a_port_in_use_under_env_var_launch_is_one_line")
+@pytest.mark.slow(stand_in="test_a_rendezvous_failure_is_said_with_its_address_and_fix")
 def test_port_in_use_is_named():
     import socket
 
@@ -225,6 +228,20 @@ def test_port_in_use_is_named():
     assert f"port {port} is already in use on this machine" in out.stderr, out.stderr[-2000:]
 
 
+def test_a_rendezvous_failure_is_said_with_its_address_and_fix(monkeypatch):
+    from minidist.dist import rendezvous_failure
+
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    late = rendezvous_failure(TimeoutError("Timed out after 3 seconds waiting for clients"), 1, 2, 3)
+    assert late.startswith("rank 1 of 2: the rendezvous at MASTER_ADDR=10.1.2.3 MASTER_PORT=29511 was not reached "
+                           "within 3 s") and "rank 0 was started" in late
+    taken = rendezvous_failure(RuntimeError("The server socket has failed to listen on any local network address. "
+                                            "[errno: 98 - Address already in use]"), 0, 2, 3)
+    assert "port 29511 is already in use on this machine" in taken and "choose a free port" in taken
+
+
+@pytest.mark.slow(stand_in="test_a_rendezvous_failure_is_said_with_its_address_and_fix")  # a fresh interpreter
 def test_unreachable_master_fails_within_the_timeout():
     """Rank 1 of 2 and nobody at the master's port (loopback): an error naming the address, not a hang."""
     import time

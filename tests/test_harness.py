@@ -36,6 +36,7 @@ def test_results_come_back_in_rank_order(ranks):
     assert ranks(3).run(whoami) == [(0, 3), (1, 3), (2, 3)]
 
 
+@pytest.mark.slow(stand_in="test_timeout_kills_every_rank")  # the pool's ranks started again after it
 def test_failure_reports_the_rank_and_traceback(ranks):
     pool = ranks(2)
     with pytest.raises(RankFailure, match=r"(?s)rank 1:.*ValueError: boom on purpose"):

@@ -21,7 +21,7 @@ def recipe(*overrides: str, env: dict | None = None) -> subprocess.CompletedProc
                           env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.launch  # make test's end-to-end bad-input run
+@pytest.mark.slow(stand_in="test_fault_tolerance.py::test_a_rendezvous_failure_is_said_with_its_address_and_fix")
 def test_a_port_in_use_under_env_var_launch_is_one_line(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

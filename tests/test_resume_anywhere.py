@@ -174,8 +174,8 @@ def test_what_cannot_continue_is_refused_in_one_line_naming_the_fix():
     check_layouts_meet(compose_cfg(tiny_overrides(*BATCH, strategy="ds_zero2")), Path("ckpt"), ds, 4)  # its own
 
 
-@pytest.mark.parametrize("world, strategy", [(3, "native_fsdp"), pytest.param(2, "zero2", marks=pytest.mark.slow(
-    stand_in="test_a_dcp_checkpoint_written_without_a_gather_resumes_anywhere[3-native_fsdp]"))])
+@pytest.mark.slow(stand_in="test_zero3_at_4_ranks_resumes_at_another_world_size_as_another_strategy[2-ddp]")
+@pytest.mark.parametrize("world, strategy", [(3, "native_fsdp"), (2, "zero2")])
 def test_a_dcp_checkpoint_written_without_a_gather_resumes_anywhere(ranks, straight, tmp_path, world, strategy):
     """native_fsdp saves through torch.distributed.checkpoint: a file per rank, nothing gathered to
     rank 0. Its checkpoint continues at another world size (DCP re-cuts the shards) and as one of

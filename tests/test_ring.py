@@ -182,6 +182,7 @@ def shutdown_with_transfers_in_flight() -> bool:
     return all(h.is_completed() for h in handles)
 
 
+@pytest.mark.slow(stand_in="test_ring_collectives_equal_the_backend")  # fresh ranks: shutdown ends their group
 def test_shutdown_waits_for_ring_calls_in_flight():
     from minidist.launch import run_local
 

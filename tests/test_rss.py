@@ -13,6 +13,7 @@ from minidist.rss import allocate_and_free, launch_fresh, measure_state_rss, wit
 MLP_8M = [1024, 2048, 2048, 1024]
 
 
+@pytest.mark.slow(stand_in="test_zero.py::test_memory_matches_the_zero_paper")  # a fresh process
 def test_rss_follows_a_live_tensor_and_its_release():
     results = launch_fresh(allocate_and_free, 1, (64,))
     alive, after = results[0]

@@ -43,7 +43,7 @@ def files_under(d: Path) -> dict:
     return {p: p.stat().st_mtime_ns for p in d.rglob("*")}
 
 
-@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")  # run dir, logs
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[zero3]")  # run dir, logs
 def test_self_launched_on_mnist_files(tmp_path):
     write_mnist(tmp_path / "data", n_train=64, n_test=16)
     run_dir = tmp_path / "run"
@@ -90,11 +90,11 @@ def check_sweep(sweep: Path, out: subprocess.CompletedProcess, strategies: str =
     assert out.stdout.count("summary\n") == len(strategies.split(","))  # one per job, from rank 0
 
 
-# Every strategy in `make test-all`; `make test` sweeps the two checkpoint layouts of ours (full,
-# sharded) — the mechanism is the same for every job, and each strategy trains and resumes in
-# test_train_strategies.py.
-@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")),
-                                        pytest.param("ddp,zero3", marks=pytest.mark.launch)])
+# Every strategy in `make test-all`; `make test` launches zero3 alone under torchrun (a sweep of jobs
+# in one process: test_one_line_failures.py's, with the launch replaced; each strategy trains and
+# resumes in test_train_strategies.py).
+@pytest.mark.parametrize("strategies", [pytest.param(ALL_BUT_SINGLE, marks=pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[zero3]")),
+                                        pytest.param("zero3", marks=pytest.mark.launch)])
 def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     """torchrun starts the ranks once; Hydra's sweep runs each strategy's job on them in turn."""
     torchrun = Path(sys.executable).parent / "torchrun"
@@ -108,7 +108,7 @@ def test_every_strategy_under_torchrun_in_one_sweep(tmp_path, strategies):
     assert consolidate(latest_checkpoint(sweep / str(jobs - 1)))  # the last layout: a full state_dict
 
 
-@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[ddp,zero3]")
+@pytest.mark.slow(stand_in="test_every_strategy_under_torchrun_in_one_sweep[zero3]")
 def test_a_self_launched_sweep(tmp_path):
     """Each job of the sweep starts its own 2 local ranks (two jobs: the mechanism is the same for
     every strategy, and the torchrun sweep above already runs each one)."""

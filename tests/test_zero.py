@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import minidist
 import zero_cases
+from grid import grid
 from ddp_cases import build, global_batch, loss_fn, max_rel_diff
 from minidist.comm import CommTracer
 from minidist.memory import live_tensor_bytes
@@ -26,14 +27,12 @@ def check(result, refs, tol=1e-6):
         assert result[ref][0] <= tol, f"vs {ref}: {result[ref]}"
 
 
-# make test: every stage and world size, on gpt with AdamW and mlp with SGD; make test-all: the other pairs.
-THIN_PAIRS = pytest.mark.slow(stand_in="test_matches_ddp_and_single_process_with_clipping[adamw-gpt-4-3]")
+# make test: every pair of stage, world size, optimizer and model; make test-all: the whole product (grid.py).
+PAIRS = pytest.mark.slow(stand_in="test_matches_ddp_and_single_process_with_clipping")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("optim, model", [("adamw", "gpt"), ("sgd", "mlp"), pytest.param("adamw", "mlp", marks=THIN_PAIRS),
-                                          pytest.param("sgd", "gpt", marks=THIN_PAIRS)])
+@pytest.mark.parametrize("stage, world_size, optim, model", grid([1, 2, 3], [2, 3, 4], ["adamw", "sgd"], ["gpt", "mlp"],
+                                                                 slow=PAIRS))
 def test_matches_ddp_and_single_process_with_clipping(ranks, stage, world_size, model, optim):
     for r in ranks(world_size).run(zero_cases.compare_zero, stage=stage, model=model, optim=optim, clip=0.1,
                                    **STAGE_KW[stage]):
@@ -42,8 +41,8 @@ def test_matches_ddp_and_single_process_with_clipping(ranks, stage, world_size, 
 
 # make test: each stage once, each world size once; make test-all: the rest of the grid.
 @pytest.mark.parametrize("world_size, stage", [
-    (w, s) if (w, s) in ((2, 2), (3, 1), (4, 3)) else
-    pytest.param(w, s, marks=pytest.mark.slow(stand_in="test_accumulation_with_no_sync[4-3]"))
+    (w, s) if (w, s) in ((2, 3), (3, 2), (4, 1)) else
+    pytest.param(w, s, marks=pytest.mark.slow(stand_in="test_accumulation_with_no_sync[2-3]"))
     for w in (2, 3, 4) for s in (1, 2, 3)])
 def test_accumulation_with_no_sync(ranks, stage, world_size):
     for r in ranks(world_size).run(zero_cases.compare_zero, stage=stage, model="gpt", accumulate=4, clip=0.1,
@@ -58,8 +57,9 @@ def test_stage1_matches_zero_redundancy_optimizer(ranks, world_size):
         check(r, ("zero_redundancy",))
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("accumulate", [1, 4])
+# make test: each world size once, each accumulation once; make test-all: the four.
+@pytest.mark.parametrize("world_size, accumulate", [(2, 4), (3, 1), *(pytest.param(w, a, marks=pytest.mark.slow(
+    stand_in="test_stage3_matches_fully_shard[2-4]")) for w, a in ((2, 1), (3, 4)))])
 def test_stage3_matches_fully_shard(ranks, world_size, accumulate):
     for r in ranks(world_size).run(zero_cases.compare_zero, stage=3, model="gpt", accumulate=accumulate,
                                    references=("fully_shard",), min_unit_params=1000):
@@ -117,7 +117,9 @@ def test_bf16_compute_with_fp32_masters_matches_fully_shard_mixed_precision(rank
 # --------------------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# make test: stage 3 (units); stages 1-2 (buckets) save their master shards in the same per-parameter pieces
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow(stand_in="test_reshard_from_4_ranks_to_2_and_1[3]"))
+                                   for s in (1, 2)] + [3])
 def test_reshard_from_4_ranks_to_2_and_1(ranks, stage):
     """Saved at 4 ranks, loaded at 2 and 1: the shards are re-cut, which moves bytes, so the model
     and optimizer state as loaded equal what was saved bitwise (a second moment rounded on the
@@ -203,7 +205,7 @@ def measure_memory(strategy: str):
     n = dist.get_world_size()
     before = live_tensor_bytes()
     torch.manual_seed(0)
-    net = GPT(vocab_size=512, block_size=32, n_layer=4, n_head=4, n_embd=128)  # ~1.06M parameters
+    net = GPT(vocab_size=512, block_size=32, n_layer=2, n_head=4, n_embd=128)  # ~0.46M parameters
     psi = sum(p.numel() for p in net.parameters())
     if strategy == "ddp":
         model = minidist.DataParallel(net, gradient_as_bucket_view=True)
@@ -231,8 +233,8 @@ FORMULAS = {  # bytes per rank, fp32 parameters (4 bytes), Adam (8 bytes of stat
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])
-@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.slow(
-    stand_in="test_memory_matches_the_zero_paper[4-zero3]")), 4])  # 2 ranks: make test-all
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow(
+    stand_in="test_memory_matches_the_zero_paper[2-zero3]"))])  # 4 ranks: make test-all
 def test_memory_matches_the_zero_paper(ranks, strategy, world_size):
     for psi, n, report, counted in ranks(world_size).run(measure_memory, strategy):
         expected = FORMULAS[strategy](psi, n)
@@ -429,7 +431,7 @@ def forward_on_rank0_alone():
     model = minidist.ShardedDataParallel(build("gpt"), zero_cases.OPTIMIZERS["sgd"], stage=3, process_group=group,
                                          **STAGE_KW[3])
     if dist.get_rank() == 1:
-        time.sleep(2)
+        time.sleep(1.5)
         return "elsewhere"
     start = time.monotonic()
     try:

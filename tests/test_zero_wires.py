@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import minidist
-from ddp_cases import PER_RANK_BATCH, build, cached_mesh, compare_with_native, global_batch, loss_fn, max_rel_diff, perturbed
+from ddp_cases import PER_RANK_BATCH, build, compare_with_native, global_batch, loss_fn, max_rel_diff, perturbed
 from minidist.comm.wire import Wire
 from zero_cases import OPTIMIZERS, compare_zero
 
@@ -111,7 +111,7 @@ def hybrid_wire_matches(grad_wire: str):
     """hsdp on a 2x2 mesh with a gradient wire against the same run without one."""
     from zero_cases import run_ours
 
-    mesh = cached_mesh(dist.get_world_size() // 2, 2)
+    mesh = minidist.init_mesh(shard=2)
     base = build("gpt")
     _, plain = run_ours(base, "gpt", "adamw", 5, 1, None, 2, dist.get_rank(), 4, mesh=mesh)
     with minidist.comm.CommTracer() as tracer:

@@ -6,6 +6,7 @@ a data set is read, or anything is written into the run directory.
 
 from __future__ import annotations
 
+import functools
 import reprlib
 from pathlib import Path
 
@@ -229,8 +230,10 @@ def check_keys_read(cfg) -> None:
                               f"{', '.join(sorted(defaults[group].keys()))}): remove it, or check its spelling")
 
 
+@functools.lru_cache(maxsize=1)
 def compose_defaults():
-    """The trainer's default config, as configs/ defines it (what every key's existence is checked against)."""
+    """The trainer's default config, as configs/ defines it (what every key's existence is checked
+    against); composed once a process (read only)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
