@@ -65,8 +65,9 @@ def test_unused_parameters(ranks, world_size):
     check(results, world_size)
 
 
-@pytest.mark.parametrize("cap_mb", [0.01, 0.1, 1.0, 100.0])
-@pytest.mark.parametrize("world_size", [2, 3])
+# make test: every cap at 2 ranks, the many-bucket cap at 3; make test-all: every cap at 3 too.
+@pytest.mark.parametrize("world_size, cap_mb", [(2, c) for c in (0.01, 0.1, 1.0, 100.0)] + [(3, 0.01)] + [
+    pytest.param(3, c, marks=pytest.mark.slow(stand_in="test_bucket_caps[3-0.01]")) for c in (0.1, 1.0, 100.0)])
 def test_bucket_caps(ranks, world_size, cap_mb):
     results = ranks(world_size).run(compare, model="gpt", optim="sgd", steps=10, bucket_cap_mb=cap_mb)
     check(results, world_size)

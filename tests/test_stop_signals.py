@@ -44,17 +44,17 @@ FORCED = textwrap.dedent("""
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     StopSignals = module.StopSignals
-    with StopSignals(grace_s=float(sys.argv[1]), where=lambda: "after step 7",
+    with StopSignals(grace_s=float(sys.argv[1]), repeat_window_s=0.2, where=lambda: "after step 7",
                      latest=lambda: "checkpoints/step_00000005") as stop:
         stop.on_stuck = lambda line: open(sys.argv[2], "w").write(line)
         os.kill(os.getpid(), signal.SIGINT)
         if sys.argv[3] == "twice":
-            time.sleep(1.2)
+            time.sleep(0.3)
             os.kill(os.getpid(), signal.SIGINT)
         if sys.argv[3] == "twice_the_launchers_copy_first":
             # What two of a rank's threads taking the terminal's SIGINT and the agent's SIGTERM at
             # once can write: both bytes, the SIGTERM's first, found by one read (CI saw it).
-            time.sleep(1.2)
+            time.sleep(0.3)
             os.write(stop._write, bytes([signal.SIGTERM, signal.SIGINT]))
         time.sleep(60)  # a step that does not end (the main thread never looks at the flag)
     print("not reached")
@@ -130,9 +130,44 @@ def stopped_line(err: str, name: str, run_dir: Path) -> int:
     return step
 
 
-@pytest.mark.parametrize("checkpoints", [pytest.param("sync", marks=pytest.mark.launch),  # make test's stop
-                                         pytest.param("async", marks=pytest.mark.slow(
-                                             stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step[sync]"))])
+def run_rank_signalled(cfg_dict: dict, run_dir: str, signalled_rank: int) -> tuple[int, int]:
+    """A rank of the trainer's run (launch_train.run_rank, as the launcher runs it) on this pool rank;
+    rank `signalled_rank` sends itself SIGUSR1 once the run is under way. (its exit status, the last
+    step of its log)"""
+    import os
+    import re
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    from minidist.train.launch_train import run_rank
+
+    if dist.get_rank() == signalled_rank:
+        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+    try:
+        run_rank(cfg_dict, run_dir, None)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    log = (Path(run_dir) / "logs" / f"rank_{dist.get_rank()}.log").read_text()
+    return status, int(re.findall(r"stopped by SIGUSR1 after step (\d+)", log)[-1])
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_checkpointed(ranks, tmp_path):
+    """The ranks' part of a stop (the launcher's, its one line and its exit status: the launch
+    below): SIGUSR1 to rank 1 alone, both ranks leave after the same step with 138, that step's
+    checkpoint written."""
+    from train_cases import tiny
+
+    cfg = tiny("trainer.max_steps=400", "trainer.log_every=10", "debug.step_delay_s=0.02")
+    (code0, step0), (code1, step1) = ranks(2).run(run_rank_signalled, cfg, str(tmp_path), 1, timeout_s=120)
+    assert code0 == code1 == 128 + signal.SIGUSR1 and step0 == step1 < 400
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / f"step_{step0:08d}"
+
+
+@pytest.mark.slow(stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_checkpointed")
+@pytest.mark.parametrize("checkpoints", ["sync", "async"])
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, checkpoints):
     """SIGUSR1 (SLURM's warning) to rank 1 alone: both ranks agree, the step is checkpointed, the
     launcher exits 138 with rank 0's one line, and no rank is left. With background checkpoints,
@@ -162,7 +197,7 @@ def never_stopped(tmp_path_factory) -> Path:
     return latest_checkpoint(straight)
 
 
-@pytest.mark.slow(stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step")
+@pytest.mark.slow(stand_in="test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_checkpointed")
 @pytest.mark.parametrize("how", ["ctrl_c", "sigterm_torchrun"])
 def test_stopped_then_resumed_equals_an_uninterrupted_run(tmp_path, how, never_stopped):
     """Ctrl-C to the whole process group (our launcher: exit 130, one line), SIGTERM to torchrun

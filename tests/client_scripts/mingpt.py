@@ -28,9 +28,7 @@ import minidist
 from wrappers import device_for, wrap
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First Citizen: You are all "
-        "resolved rather to die than to famish? All: Resolved. resolved. First Citizen: First, you know Caius "
-        "Marcius is chief enemy to the people. All: We know't, we know't. First Citizen: Let us kill him, and "
-        "we'll have corn at our own price. Is't a verdict? All: No more talking on't; let it be done: away, away!")
+        "resolved rather to die than to famish? All: Resolved. resolved.")
 
 
 @dataclass
