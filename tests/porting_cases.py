@@ -397,7 +397,8 @@ def mixed_precision_policy(stage: int):
 
 def reshard_after_forward_false():
     """Stage 3 keeps each unit gathered from forward to backward: one all_gather per unit and
-    step instead of two, the same result bitwise."""
+    step instead of two, the same result bitwise, also when a forward with gradients on and no
+    backward comes between backward and the step (its units are gathered again after the step)."""
     runs = {}
     for keep in (True, False):
         net = perturbed(build("gpt"), dist.get_rank())
@@ -409,7 +410,8 @@ def reshard_after_forward_false():
                 out = model(x)
                 gathered_after_forward = [u.shard.is_materialised for u in model._units]
                 loss_fn("gpt", out, y).backward()
-            opt.step()
+            model(x)  # a metric with gradients on, between backward and step: units stay gathered
+            opt.step()  # ... holding the old values, so the step frees them
             opt.zero_grad()
         gathers = sum(1 for r in tracer.records if r.op == "all_gather")
         with torch.no_grad():  # no backward follows: freed after forward whatever the setting

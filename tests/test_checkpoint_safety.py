@@ -136,6 +136,18 @@ def test_a_truncated_file_is_named(checkpoints, tmp_path):
         check_run_fits(cfg, verified(ckpt), 2)
 
 
+def test_a_file_changed_in_place_at_its_size_fails_the_sha256(checkpoints, tmp_path):
+    """One byte flipped, the size unchanged: only the checksum can tell (a bit flip on disk)."""
+    ckpt = tmp_path / "step_00000002"
+    shutil.copytree(checkpoints["full"], ckpt)
+    data = bytearray((ckpt / "model.pt").read_bytes())
+    data[-100] ^= 0xFF
+    (ckpt / "model.pt").write_bytes(bytes(data))
+    cfg = compose_cfg(tiny_overrides("trainer.max_steps=2"))
+    with pytest.raises(ManifestMismatch, match="model.pt does not match the sha256 in its manifest"):
+        check_run_fits(cfg, verified(ckpt), 2)
+
+
 def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path, capsys):
     """Through the recipe's entry (launch: the checks come before any rank starts)."""
     from minidist.train.launch_train import launch

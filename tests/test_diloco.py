@@ -175,9 +175,9 @@ def test_shard_size_needs_inner_ddp(ranks, tmp_path):
 @pytest.mark.parametrize("inner", ["ddp", pytest.param("zero2", marks=pytest.mark.slow(
     stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured[zero3]")), "zero3"])
 def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
-    """2 workers of 2 ranks, H = 4, 16 steps: the tracer's bytes a step over the run (the summary's:
-    its last log window, step 16 alone, sent a round's all_reduce) equal the spec's theory (as
-    strategy.inner configures it) averaged over the round; the outer state
+    """2 workers of 2 ranks, H = 4, 16 steps: the tracer's bytes a step over the run (the summary's
+    mean of all 16 steps, not its last log window, which holds a round's all_reduce) equal the
+    spec's theory (as strategy.inner configures it) averaged over the round; the outer state
     measured is 8 bytes a parameter / S, and so is Adam's state under ZeRO within the worker."""
     pool = ranks(4)
     out = run(pool, tmp_path, "mesh", "strategy.sync_every=4", f"strategy.inner={inner}", "strategy.shard_size=2",
@@ -192,6 +192,10 @@ def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
                                if r["summary"].get(f"comm/{op}_bytes_per_step")}, (rank, theory)
         for op, b in theory.items():
             assert measured[op] == pytest.approx(b, rel=0.01), (rank, op, measured, theory)
+        per_op = [v for k, v in r["summary"].items() if k.startswith("comm/") and k.endswith("_bytes_per_step")
+                  and k != "comm/bytes_per_step"]
+        assert r["summary"]["comm/steps"] == 16
+        assert r["summary"]["comm/bytes_per_step"] == pytest.approx(sum(per_op)), r["summary"]
         # outer weights and momentum: 2 fp32 slices of Psi/S (each fragment padded to a multiple of S,
         # or each flat shard under ZeRO)
         assert r["memory"]["outer_state"] == pytest.approx(2 * 4 * n_params / 2, rel=0.01)
