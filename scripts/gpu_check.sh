@@ -6,7 +6,8 @@
 #
 # GPU_CHECK_STEPS (default 20) sets the training stages' length; GPU_CHECK_ARGS adds overrides to
 # every training stage (the dry run's test passes a smaller model: bf16 matmuls on a CPU without
-# bf16 instructions take seconds a step).
+# bf16 instructions take seconds a step); GPU_CHECK_STRATEGIES (comma-separated) narrows the bf16
+# sweep's ten strategies (the dry run's test sweeps three).
 #
 # Everything goes under ${OUT:-outputs/gpu_check}, removed first (a warm machine must not resume
 # old checkpoints). Each stage has a time limit and its own log there; the last lines printed are
@@ -82,7 +83,7 @@ stage tour 120 $PY recipes/tour.py nproc="$NPROC" backend="$BACKEND"
 stage bench 180 $PY recipes/bench_collectives.py nproc="$NPROC" backend="$BACKEND" max_bytes=67108864 \
     out_dir="$OUT/bench_collectives"
 stage bf16 360 $PY recipes/train.py -m \
-    strategy=ddp,zero1,zero2,zero3,hsdp2,hsdp3,native_ddp,native_zero1,native_fsdp,native_hsdp \
+    strategy="${GPU_CHECK_STRATEGIES:-ddp,zero1,zero2,zero3,hsdp2,hsdp3,native_ddp,native_zero1,native_fsdp,native_hsdp}" \
     trainer.precision=bf16 trainer.max_steps="$STEPS" "${COMMON[@]}" hydra.sweep.dir="$OUT/sweep_bf16"
 stage fp16 180 $PY recipes/train.py -m strategy=ddp,native_ddp trainer.precision=fp16 \
     trainer.max_steps="$STEPS" "${COMMON[@]}" hydra.sweep.dir="$OUT/sweep_fp16"

@@ -47,6 +47,7 @@ def ranks():
 def pytest_configure(config):
     config.addinivalue_line("markers", "launch: an end-to-end launch in fresh processes (its own budget, "
                                        f"at most {LAUNCHES} in make test)")
+    config.addinivalue_line("markers", "pool: runs on the warm rank pools (given to every test that uses `ranks`)")
     config._minidist_started = time.monotonic()
 
 
@@ -80,6 +81,9 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # the tier is the fixture: pytest -m pool (or "not pool") runs one tier
+        if "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker("pool")
     if not _budgeted(config):
         return
     launches = [i.nodeid for i in items if i.get_closest_marker("launch") is not None

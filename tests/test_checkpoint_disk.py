@@ -46,7 +46,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint
     out = train(run_dir)
     assert out.returncode == 1, out.stderr[-3000:]
     said = out.stderr.strip().splitlines()
-    assert len(said) == 2 and said[1].startswith("error: training failed on rank(s)"), out.stderr[-3000:]
+    assert len(said) == 1, out.stderr[-3000:]  # the cause alone: no second "training failed" line after it
     line = said[0]
     for part in ("error: rank 0 stopped after step ", "the checkpoint could not be written to "
                  f"{run_dir / 'checkpoints'}", "[Errno 28] No space left on device", "it needs about ",
