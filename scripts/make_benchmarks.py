@@ -664,6 +664,14 @@ def readme_quotes() -> dict[str, str]:
     quotes = {"main": f"all {len(rows)} at {main['world_size']} ranks: " + ", ".join(
         f"{r['strategy']}/{r['reference']} {r['time_ratio']:.3f}" for r in ours) + " of the reference's step time, "
         f"every final parameter within {at_most(max(r['final_param_diff'] for r in ours))} of its reference"}
+    glance = [f"| ours | reference | final parameters apart | step time / reference [95%] | model state MiB (reference's) |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in ours:
+        ref = rows[r["reference"]]
+        lo, hi = r["time_ratio_ci"]
+        glance.append(f"| {r['strategy']} | {r['reference']} | {r['final_param_diff']:.1e} | {r['time_ratio']:.3f} "
+                      f"[{lo:.3f}, {hi:.3f}] | {r['model_state_bytes']['total'] / 2**20:.2f} ({ref['model_state_bytes']['total'] / 2**20:.2f}) |")
+    quotes["glance"] = "\n" + "\n".join(glance) + "\n"
     if have("hybrid"):
         r = load("hybrid")["rows"]["hsdp3"]
         quotes["hybrid"] = (f"hsdp3 takes {r['time_ratio']:.2f}x its step time (4 ranks as 2x2; "
@@ -693,7 +701,8 @@ def with_quotes(text: str) -> str:
 DOCUMENT = Document(Path(__file__), DOC, render,
                     {**{name: functools.partial(run, name, overrides) for name, overrides in runs().items()},
                      "checkpoint": checkpoint_run},
-                    readme_quotes=with_quotes)
+                    readme_quotes=with_quotes,
+                    quote_tag="benchmarks")
 
 if __name__ == "__main__":
     sys.exit(main(DOCUMENT))

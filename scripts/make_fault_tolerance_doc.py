@@ -188,7 +188,8 @@ def with_quotes(text: str) -> str:
                     f"every step's sample ids {'the same' if e['samples_identical'] else 'DIFFERENT'}")})
 
 
-DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak, "elastic": elastic}, readme_quotes=with_quotes)
+DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak, "elastic": elastic}, readme_quotes=with_quotes,
+                    quote_tag="fault_tolerance")
 
 if __name__ == "__main__":
     sys.exit(main(DOCUMENT))

@@ -103,10 +103,10 @@ def test_a_name_registered_twice_and_an_unknown_module_are_refused():
         spec("not_registered", OmegaConf.create({"name": "not_registered", "module": "no_such_module"}))
 
 
-def test_the_readme_shows_this_example():
-    """The README's "Adding a strategy" code is this file's example, line for line."""
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split("#### Adding a strategy", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_trainer_doc_shows_this_example():
+    """docs/trainer.md's "Adding a strategy" code is this file's example, line for line."""
+    readme = (ROOT / "docs" / "trainer.md").read_text()
+    shown = readme.split("### Adding a strategy", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     ours = Path(__file__).read_text().split("# -- the example, as the README shows it", 1)[1].split("\n# ---", 1)[0]
     assert [l for l in shown.splitlines() if l.strip()] == [l for l in ours.splitlines()[1:] if l.strip()]
 

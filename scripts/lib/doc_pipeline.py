@@ -82,36 +82,49 @@ def run_recipe(recipe: str, overrides: list[str], run_dir: Path, result_file: st
     return json.loads((run_dir / result_file).read_text()), wall
 
 
+# The hand-written texts that quote rendered documents' figures (between <!-- TAG:NAME --> marks).
+QUOTING = ["README.md", "docs/trainer.md", "docs/compare.md", "docs/multinode.md", "docs/api.md", "docs/drop_in.md",
+           "docs/testing.md"]
+
+
 def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
-    """`text` (the README) with each region <!-- TAG:NAME -->...<!-- /TAG:NAME --> holding
-    quotes[NAME]: the sentences that quote a rendered document's figures, rendered with it."""
+    """`text` (the README or a hand-written document) with each region <!-- TAG:NAME -->...<!-- /TAG:NAME -->
+    it holds filled with quotes[NAME]: the sentences that quote a rendered document's figures, rendered with it."""
     for name, quote in quotes.items():
         start, end = f"<!-- {tag}:{name} -->", f"<!-- /{tag}:{name} -->"
+        if start not in text and end not in text:
+            continue
         if text.count(start) != 1 or text.count(end) != 1:
-            raise SystemExit(f"the text needs exactly one {start} ... {end} region")
+            raise SystemExit(f"a text holds {start} ... {end} more than once, or one mark without the other")
         head, rest = text.split(start)
         text = head + start + quote + end + rest.split(end, 1)[1]
     return text
+
+
+def quoting_texts(tag: str) -> list[Path]:
+    """The hand-written texts holding a quote region of `tag`."""
+    return [ROOT / name for name in QUOTING if f"<!-- {tag}:" in (ROOT / name).read_text()]
 
 
 @dataclass
 class Document:
     """One document: the script that makes it, where it goes, how it renders (from committed data only), the runs that
     measure its data (name -> callable), and the README's quotes of it (a function rewriting
-    the README's text with them, see fill_quotes)."""
+    a text with them, see fill_quotes; applied to every text of QUOTING that quotes it)."""
 
     script: Path                         # the scripts/make_*.py that declares it (its __file__)
     path: Path
     render: Callable[[], str]
     runs: dict[str, Callable[[], None]] = field(default_factory=dict)
     readme_quotes: Callable[[str], str] | None = None
+    quote_tag: str = ""
 
     def rendered(self) -> dict[Path, str]:
-        """What the document and the README should hold now."""
+        """What the document and the texts quoting it should hold now."""
         out = {self.path: self.render()}
         if self.readme_quotes is not None:
-            readme = ROOT / "README.md"
-            out[readme] = self.readme_quotes(readme.read_text())
+            for text in quoting_texts(self.quote_tag):
+                out[text] = self.readme_quotes(text.read_text())
         return out
 
 

@@ -7,7 +7,7 @@ and DeepSpeed's (deepspeed.py, optional).
     spec("zero2").wire_bytes(psi, n), spec("zero2").model_state_bytes(psi, n)
 
 Adding a strategy: a Strategy subclass and register(StrategySpec(...)) in one module, and its
-defaults in configs/strategy/NAME.yaml (README: "Adding a strategy").
+defaults in configs/strategy/NAME.yaml (docs/trainer.md: "Adding a strategy").
 """
 
 from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
