@@ -1,4 +1,4 @@
-"""Measure one step's communication patterns on a real two-level network, for minidist.costmodel.
+"""Measure one step's communication patterns on a real two-level network, for the cost model (scripts/lib/costmodel.py).
 
 Run on every host under torchrun (scripts/validate_sim.sh does, on emulated hosts with shaped
 links). All collectives are minidist's ring (minidist.comm.ring), the algorithm the cost model
@@ -23,7 +23,7 @@ turn (a barrier before each), so that a stretch of contention on a shared machin
 calibration and on the patterns alike; each time is the median over the rounds of the slowest
 rank's.
 
-Rank 0 writes the JSON `python -m minidist.costmodel validate` reads.
+Rank 0 writes the JSON `python scripts/lib/costmodel.py validate` reads.
 """
 
 from __future__ import annotations

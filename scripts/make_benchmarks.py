@@ -580,7 +580,7 @@ def zeropp_prediction(r: dict, med: dict[str, float]) -> str:
     calibrated at the same rate, against the step times' difference (the compute is the same)."""
     from omegaconf import OmegaConf
 
-    from minidist import costmodel
+    import costmodel
 
     calibrated = ROOT / "docs" / "scale" / "data" / f"validate_{r['rate']}.json"
     if not calibrated.is_file() or not WIRES.is_file():

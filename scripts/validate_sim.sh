@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Validate the cost model (minidist/costmodel.py) on emulated hosts whose links are shaped with tc:
+# Validate the cost model (scripts/lib/costmodel.py) on emulated hosts whose links are shaped with tc:
 # HOSTS network namespaces (scripts/lib/netns.sh) whose eth0 sends at most RATE (a tbf qdisc), so
 # that hosts are linked far more slowly than the ranks inside one (loopback). Latency is the
 # veth's own (netem, which could add delay, is not in every kernel: not in this one); the
 # calibration measures it, as it measures the bandwidths. On them,
 # scripts/bench_mesh.py calibrates both levels' latency and bandwidth, then times the step
-# patterns of ddp, zero3, hierarchical all_reduce and hsdp3; `python -m minidist.costmodel validate`
+# patterns of ddp, zero3, hierarchical all_reduce and hsdp3; `python scripts/lib/costmodel.py validate`
 # predicts each from the calibrated links and fails when one is off by more than TOLERANCE.
 #
 #   sudo scripts/validate_sim.sh                               # 2 hosts x 2 ranks, 200 Mbit/s
@@ -55,4 +55,4 @@ if [ "$failed" != 0 ]; then
     tail -n 20 "$OUT"/host*.log >&2
     die "the measurement failed; logs: $OUT/host*.log"
 fi
-"$PYTHON" -m minidist.costmodel validate "$OUT/measured.json" --tolerance "$TOLERANCE"
+"$PYTHON" scripts/lib/costmodel.py validate "$OUT/measured.json" --tolerance "$TOLERANCE"

@@ -1,4 +1,4 @@
-"""The cost model (minidist/costmodel.py): its formulas, the limits where strategies must agree, what it
+"""The cost model (scripts/lib/costmodel.py): its formulas, the limits where strategies must agree, what it
 picks, and its validation against measurements (scripts/validate_sim.sh runs it on shaped links:
 tests/test_validate_sim.py, slow)."""
 
@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from minidist import costmodel
-from minidist.costmodel import Cluster, Link
+import costmodel
+from costmodel import Cluster, Link
 
 C = Cluster(per_host=8, intra_bw=100e9, intra_lat=2e-6, inter_bw=10e9, inter_lat=20e-6)
 

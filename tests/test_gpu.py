@@ -6,7 +6,7 @@ Skipped without a CUDA device; scripts/gpu_check.sh runs them on a GPU machine.
 import pytest
 import torch
 
-from minidist.testing import RankPool
+from rank_pool import RankPool
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh on a GPU machine)")
 

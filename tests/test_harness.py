@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.testing import MAX_GROUPS_HELD, RankFailure, RankPool, RankTimeout
+from rank_pool import MAX_GROUPS_HELD, RankFailure, RankPool, RankTimeout
 
 
 def whoami():

@@ -259,7 +259,7 @@ def test_a_strategy_added_to_a_family_reaches_the_cost_model_the_documents_and_t
     part 3: that broke the cost model's plot with an IndexError at the 8th strategy): the cost
     model prices it, its plot and docs/scale.md render with it, and the README check names it as
     missing from the table. A strategy a test registers for itself (naive_example) is in none."""
-    from minidist import costmodel
+    import costmodel
     from minidist.train.strategies import registry
     from minidist.train.strategies.ours import ZERO_OPTIONS, OursZero
     from minidist.train.strategies.spec import ZERO12, in_shard_groups

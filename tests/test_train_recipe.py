@@ -277,7 +277,7 @@ def train_dying_in_the_second_save(cfg_dict: dict, run_dir: str) -> None:
 
 
 def test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete(ranks, tmp_path):
-    from minidist.testing import RankFailure
+    from rank_pool import RankFailure
     from train_cases import tiny, train_on_rank
 
     run_dir = tmp_path / "run"

@@ -1,9 +1,9 @@
-"""scripts/validate_sim.sh: the cost model (minidist/costmodel.py) against measurements on 2 emulated hosts
+"""scripts/validate_sim.sh: the cost model (scripts/lib/costmodel.py) against measurements on 2 emulated hosts
 x 2 ranks whose links are shaped with tc (200 Mbit/s between hosts, loopback within): every step
 pattern (ddp, zero3, zero3 with ZeRO++, hierarchical all_reduce, hsdp3) predicted within 25%. Slow (about 20 s of
 saturated links and both cores): `make test-all`. Without root it says so: test_multinode.py.
 
-The 25% bound is what `python -m minidist.costmodel validate` uses; the runs at 100, 200 and
+The 25% bound is what `python scripts/lib/costmodel.py validate` uses; the runs at 100, 200 and
 500 Mbit/s committed in docs/scale/data/ (rendered in docs/scale.md) hold every pattern's error,
 and tests/test_benchmarks_doc.py checks that each is within it."""
 

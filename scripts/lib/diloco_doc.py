@@ -164,7 +164,7 @@ def shaped_lines(img: Path) -> list[str]:
 def crossover_lines(r: dict) -> list[str]:
     """The cost model's link speed below which diloco beats ddp to ddp's loss, on the links
     docs/scale.md calibrated at 200 Mbit/s, with the compute per step read off the measured runs."""
-    from minidist import costmodel
+    import costmodel
 
     calibrated = ROOT / "docs" / "scale" / "data" / "validate_200mbit.json"
     if not calibrated.is_file() or not QUALITY.is_file():
@@ -195,7 +195,7 @@ def crossover_lines(r: dict) -> list[str]:
             + where(costmodel.diloco_crossover(psi, r["hosts"], c, compute, sync_every=x["sync_every"],
                                                strategy=x["strategy"], token_factor=step / r["steps"], comm_bytes=4)))
         lines.append(f"- {v}: a step takes less time than {r['reference']}'s {where(same)}{measured}.")
-    return ["The cost model (`minidist.costmodel.diloco_crossover`), on the links docs/scale.md calibrated at "
+    return ["The cost model (`diloco_crossover` of scripts/lib/costmodel.py), on the links docs/scale.md calibrated at "
             f"200 Mbit/s, with {compute * 1e3:.0f} ms of compute a step ({r['reference']}'s measured step at "
             f"{fastest} less its modelled communication), no overlap:", "", *lines, ""] if lines else []
 

@@ -1,8 +1,8 @@
 """A cost model of one training step's communication on a two-level cluster, to 16,384 ranks.
 
-    python -m minidist.costmodel recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
-    python -m minidist.costmodel table --plot scale.png      # the tables of docs/scale.md (scripts/make_scale_doc.py)
-    python -m minidist.costmodel validate measured.json      # against scripts/validate_sim.sh's runs
+    python scripts/lib/costmodel.py recommend --params 70e9 --hosts 128 --per-host 8 --cluster ib
+    python scripts/lib/costmodel.py table --plot scale.png      # the tables of docs/scale.md (scripts/make_scale_doc.py)
+    python scripts/lib/costmodel.py validate measured.json      # against scripts/validate_sim.sh's runs
 
 The cluster: H hosts of G ranks (N = H G). Within a host, each rank has links of bandwidth
 `intra_bw` (bytes/s) and latency `intra_lat` (s); between hosts, each host has `inter_bw`
@@ -482,7 +482,7 @@ def validate(m: dict, tolerance: float = 0.25) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minidist.costmodel", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/lib/costmodel.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("recommend", help="which strategy for a model on a cluster")
     r.add_argument("--params", type=float, required=True)
