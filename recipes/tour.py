@@ -7,10 +7,14 @@
 Each step prints what every rank held before and after, a line or two on what
 happened, and checks the result against a reference computed locally. The
 tour ends non-zero if any step fails verification on any rank. The tour itself:
-minidist/tour.py (also `minidist tour` once installed). Configuration: configs/tour.yaml.
+tutorial/tour.py. Configuration: configs/tour.yaml.
 """
 
-from minidist.tour import main
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tutorial/ lives in the checkout, not the package
+from tutorial.tour import main  # noqa: E402
 
 if __name__ == "__main__":
     main(prog="python recipes/tour.py")

@@ -1,4 +1,4 @@
-"""Data parallelism step by step (minidist/walkthrough/), each step checked against native DDP.
+"""Data parallelism step by step (tutorial/walkthrough/), each step checked against native DDP.
 
     python recipes/walkthrough.py                 # 2 local ranks
     python recipes/walkthrough.py steps=20 bucket_cap_mb=0.5
@@ -29,9 +29,11 @@ import minidist
 from minidist import comm
 from minidist.benchmarking import slowest
 from minidist.launch import run_recipe
-from minidist.train.models import GPT
-from minidist.walkthrough import STEPS, Zero1DataParallel
 from minidist.train.app import hydra_app
+from minidist.train.models import GPT
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tutorial/ lives in the checkout, not the package
+from tutorial.walkthrough import STEPS, Zero1DataParallel  # noqa: E402
 
 
 def build(name: str, net: torch.nn.Module, cfg):

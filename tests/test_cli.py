@@ -15,8 +15,11 @@ def test_help_and_a_wrong_command(capsys):
     capsys.readouterr()
     assert cli.main(["trian"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["error: minidist trian: no such command; the commands are train, compare, tour, checkpoint "
+    assert lines == ["error: minidist trian: no such command; the commands are train, compare, checkpoint "
                      "(minidist --help)"]
+    assert cli.main(["tour"]) == 2  # moved out of the package: said in one line
+    assert capsys.readouterr().err == ("error: minidist tour: the primitives tour is reading material in the "
+                                       "repository now: python recipes/tour.py in a checkout\n")
 
 
 def test_checkpoint_info_verifies_the_files_and_says_what_it_holds(ranks, tmp_path, capsys):

@@ -21,7 +21,7 @@ def test_every_step_of_the_tour_verifies_on_the_ranks(ranks):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from minidist.tour import tour_main
+    from tutorial.tour import tour_main
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose(config_name="tour", overrides=["backend=gloo"]), resolve=True)
@@ -57,7 +57,7 @@ def test_one_rank_runs_the_collectives_and_says_what_it_skipped():
 
 
 def test_tour_refuses_zero_ranks_with_a_clear_message():
-    from minidist.tour import main
+    from tutorial.tour import main
 
     saved = sys.argv[:]
     try:

@@ -223,7 +223,7 @@ def test_every_recipe_says_a_mistyped_override_in_one_line(capsys, monkeypatch):
     from hydra.errors import ConfigCompositionException
 
     from minidist.compare.app import main as compare
-    from minidist.tour import main as tour
+    from tutorial.tour import main as tour
 
     mains = {"compare": compare, "tour": tour, **{name: recipe_main(name) for name in (
         "bench_checkpoint", "bench_collectives", "bench_compile", "bench_ddp", "bench_memory", "bench_ring",

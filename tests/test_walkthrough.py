@@ -1,4 +1,4 @@
-"""The walkthrough (minidist/walkthrough/): every step trains exactly as native DDP, the recipe
+"""The walkthrough (tutorial/walkthrough/): every step trains exactly as native DDP, the recipe
 says so (and fails when a step drifts), and docs/walkthrough.md is the rendering of its data."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def step_against_native(name: str) -> float:
     from torch.nn.parallel import DistributedDataParallel
 
     from minidist.train.models import GPT
-    from minidist.walkthrough import STEPS, Zero1DataParallel
+    from tutorial.walkthrough import STEPS, Zero1DataParallel
 
     rank = torch.distributed.get_rank()
     finals = []

@@ -21,7 +21,7 @@ from torch import nn
 
 from minidist import comm
 from minidist.dist import get_world_size
-from minidist.walkthrough.step2_buckets import plan_buckets
+from tutorial.walkthrough.step2_buckets import plan_buckets
 
 
 class OverlappedDataParallel(nn.Module):

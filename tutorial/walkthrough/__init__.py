@@ -22,10 +22,10 @@ of step 4 (stages 2 and 3, hybrid meshes) is listed there with pointers into the
 All communication goes through minidist.comm, so a CommTracer sees it (bytes, exposed time).
 """
 
-from minidist.walkthrough.step1_naive import NaiveDataParallel
-from minidist.walkthrough.step2_buckets import BucketedDataParallel
-from minidist.walkthrough.step3_overlap import OverlappedDataParallel
-from minidist.walkthrough.step4_zero1 import Zero1DataParallel
+from tutorial.walkthrough.step1_naive import NaiveDataParallel
+from tutorial.walkthrough.step2_buckets import BucketedDataParallel
+from tutorial.walkthrough.step3_overlap import OverlappedDataParallel
+from tutorial.walkthrough.step4_zero1 import Zero1DataParallel
 
 STEPS = {"1 naive": NaiveDataParallel, "2 buckets": BucketedDataParallel,
          "3 overlap": OverlappedDataParallel, "4 zero1": Zero1DataParallel}

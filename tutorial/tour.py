@@ -1,6 +1,6 @@
 """A guided, verified walk through every torch.distributed primitive data parallelism is made of.
 
-    python recipes/tour.py                       # launches 2 local ranks itself (or: minidist tour)
+    python recipes/tour.py                       # launches 2 local ranks itself
     python recipes/tour.py nproc=4               # ... or 4
     torchrun --nproc_per_node 3 recipes/tour.py  # under torchrun (any N >= 2)
 
@@ -304,8 +304,8 @@ def tour(cfg) -> None:
     run_recipe(tour_main, cfg)
 
 
-def main(argv: list[str] | None = None, prog: str = "minidist tour") -> None:
-    """`python recipes/tour.py`, `minidist tour`: Hydra overrides on configs/tour.yaml."""
+def main(argv: list[str] | None = None, prog: str = "python recipes/tour.py") -> None:
+    """`python recipes/tour.py`: Hydra overrides on configs/tour.yaml."""
     import sys
 
     from minidist.train.app import run_app
