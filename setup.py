@@ -1,5 +1,5 @@
 """Packaging beyond pyproject.toml: a wheel carries configs/ (which stays at the repository's
-top level) as minidist/_configs, where minidist.train.config_dir finds it once installed."""
+top level) as minidist/_configs, where minidist.train.config finds it once installed."""
 
 import shutil
 from pathlib import Path

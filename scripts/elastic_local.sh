@@ -4,7 +4,7 @@
 # `torchrun --nnodes 1:HOSTS --max-restarts 3`, the rendezvous on host 1. Once the run has passed
 # step LOSE_AT, the last host vanishes as a host that loses power does: its link goes first, then
 # its processes and its namespace. Nothing tells the survivors: their collectives would wait
-# launcher.timeout_s. Their heartbeat (minidist/train/peer_watch.py) notices the silence within
+# launcher.timeout_s. Their heartbeat (minidist/train/resilience.py) notices the silence within
 # launcher.peer_timeout_s, they leave, torchrun re-forms the group from the hosts left (after
 # the rendezvous' last call, last_call_timeout), and the trainer resumes from the latest
 # checkpoint at the smaller world size, with the same global batch (grad_accum grows).

@@ -71,7 +71,7 @@ def elastic_section(data: dict) -> list[str]:
         f"`{p['command']}`: 2 emulated hosts (network namespaces) x 2 ranks train `strategy=zero2` under `torchrun "
         "--nnodes 1:2 --max-restarts 3`. After step 25 host 2 vanishes as a host that loses power does: its link "
         "goes first, then its processes. Nothing tells the survivors; their collectives would wait out "
-        "`launcher.timeout_s`. Each rank's heartbeat (`minidist/train/peer_watch.py`) finds its ring neighbour "
+        "`launcher.timeout_s`. Each rank's heartbeat (`minidist/train/resilience.py`) finds its ring neighbour "
         "silent, and the survivors leave. torchrun re-forms the group from the host that is left. The trainer "
         "resumes from the latest checkpoint at the smaller world size, with the same global batch (grad_accum "
         f"{w[0] // w[1]}x as large). Then host 2 comes back, and torchrun restarts the group with it.",

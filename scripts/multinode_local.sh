@@ -147,7 +147,7 @@ if reference in single:
 
 # Cross-host bytes: what the hosts' network interfaces sent between the first and the last step
 # (the kernel's counters, read by each host's local rank 0), against the ring model's payload
-# from the run's own collectives (minidist/train/cross_host.py). The wire adds headers: at most
+# from the run's own collectives (minidist/train/resilience.py). The wire adds headers: at most
 # 66 bytes per packet and an ACK of as much per packet the other way (with TSO/GRO far fewer),
 # so theory <= measured <= theory + 2 x 66 x packets + SLACK, where SLACK (16 KiB per step)
 # covers what the model does not see: the trainer's metric all_reduce every log_every steps (a

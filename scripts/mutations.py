@@ -64,7 +64,7 @@ MUTATIONS = [
              "generator=torch.Generator().manual_seed(self.seed + epoch + self.world_size))",
              ("tests/test_train_data.py", "tests/test_resume_anywhere.py")),
     Mutation("manifest_hash_unchecked", "a checkpoint file changed after it was written is refused",
-             "minidist/train/manifest.py", '        if file_digest(file) != want["sha256"]:',
+             "minidist/train/checkpoint_safety.py", '        if file_digest(file) != want["sha256"]:',
              "        if False:", ("tests/test_checkpoint_safety.py",)),
     Mutation("initial_broadcast_skipped", "every rank starts from rank 0's weights",
              "minidist/parallel/ddp.py", "        if init_sync:\n            replicate_from_source(",

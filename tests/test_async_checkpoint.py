@@ -12,8 +12,8 @@ import torch
 
 from minidist.train.async_checkpoint import copied_aside
 from minidist.train.checkpoint import list_checkpoints
-from minidist.train.manifest import describe_files, file_digest
-from minidist.train.safe_load import save_tensors
+from minidist.train.checkpoint_safety import describe_files, file_digest
+from minidist.train.checkpoint_safety import save_tensors
 from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny, tiny_overrides, train_on_rank
 
 ASYNC = ("trainer.checkpoint_async=true", "trainer.ckpt_every=5", "trainer.keep_last=10")

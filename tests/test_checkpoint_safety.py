@@ -20,8 +20,8 @@ import torch
 from minidist.train import checkpoint
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.config_check import check_run_fits, verified
-from minidist.train.manifest import ManifestMismatch, write_manifest
-from minidist.train.safe_load import CheckpointRefused
+from minidist.train.checkpoint_safety import ManifestMismatch, write_manifest
+from minidist.train.checkpoint_safety import CheckpointRefused
 from train_cases import PYTHON, RECIPE, ROOT, compose_cfg, tiny, tiny_overrides, train_on_rank
 
 KINDS = {  # kind: (strategy, overrides, the files replaced in turn)
@@ -177,7 +177,7 @@ def test_every_file_and_folder_is_synced_to_disk(tmp_path, monkeypatch):
 
 def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, tmp_path, capsys):
     from minidist.train.config_check import resolve_resume
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
     run_dir = tmp_path / "run"
     for step in (2, 4):
         shutil.copytree(checkpoints["full"], run_dir / "checkpoints" / f"step_{step:08d}")
@@ -202,17 +202,17 @@ def test_a_short_write_on_a_nearly_full_disk_is_reported_as_one(tmp_path, monkey
     import pytest
     import torch
 
-    from minidist.train import safe_load
+    from minidist.train import checkpoint_safety
 
     def short_write(obj, f):
         raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
 
     monkeypatch.setattr(torch, "save", short_write)
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr(safe_load.shutil, "disk_usage", lambda p: usage(10, 10, 0))
+    monkeypatch.setattr(checkpoint_safety.shutil, "disk_usage", lambda p: usage(10, 10, 0))
     with pytest.raises(OSError) as raised:
-        safe_load.save_tensors({}, tmp_path / "x.pt")
+        checkpoint_safety.save_tensors({}, tmp_path / "x.pt")
     assert raised.value.errno == errno.ENOSPC and "x.pt" in str(raised.value)
-    monkeypatch.setattr(safe_load.shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
+    monkeypatch.setattr(checkpoint_safety.shutil, "disk_usage", lambda p: usage(1 << 40, 0, 1 << 40))
     with pytest.raises(RuntimeError, match="file write failed"):
-        safe_load.save_tensors({}, tmp_path / "y.pt")
+        checkpoint_safety.save_tensors({}, tmp_path / "y.pt")

@@ -23,7 +23,7 @@ import torch
 from minidist.train import checkpoint
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.config_check import resolve_resume
-from minidist.train.manifest import write_manifest
+from minidist.train.checkpoint_safety import write_manifest
 from test_checkpoint_safety import RunsCode
 from train_cases import compose_cfg, tiny, tiny_overrides, train_on_rank
 
@@ -166,13 +166,13 @@ def test_a_dcp_item_that_would_run_code_is_refused_before_dcp_unpickles_it(saved
     first proves it under torch's restricted unpickler."""
     import pickle
 
-    from minidist.train import dcp_files
-    from minidist.train.errors import CheckpointRefused
+    from minidist.train import checkpoint_safety
+    from minidist.train.config import CheckpointRefused
 
     ckpt = saved_dcp / "checkpoints" / "step_00000004" / "dcp"
     folder = tmp_path / "dcp"
     shutil.copytree(ckpt, folder)
-    meta = dcp_files.read_metadata(folder)
+    meta = checkpoint_safety.read_metadata(folder)
     key = next(k for k in meta.state_dict_metadata if k.endswith("param_groups.0.lr"))
     where = meta.storage_data[next(i for i in meta.storage_data if i.fqn == key)]
     payload = io.BytesIO()
@@ -187,5 +187,5 @@ def test_a_dcp_item_that_would_run_code_is_refused_before_dcp_unpickles_it(saved
         (folder / where.relative_path).write_bytes(bytes(data) + blob)
         (folder / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointRefused, match="param_groups.0.lr in a torch.distributed.checkpoint folder holds"):
-        dcp_files.read_full(folder)
+        checkpoint_safety.read_full(folder)
     assert not (tmp_path / "ran").exists()

@@ -4,7 +4,7 @@ wheel, end to end: test_wheel.py (slow)."""
 
 from minidist import cli
 from minidist.train.checkpoint import latest_checkpoint
-from minidist.train.config_dir import config_dir
+from minidist.train.config import config_dir
 from train_cases import ROOT, tiny, train_on_rank
 
 

@@ -143,7 +143,7 @@ def test_strategy_list_checks(override, message):
     from hydra import compose, initialize_config_dir
 
     from minidist.compare.launch_compare import check_strategies
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         cfg = compose(config_name="compare", overrides=[override])
@@ -155,7 +155,7 @@ def test_deepspeed_missing_names_the_install(tmp_path, monkeypatch):
     import builtins
 
     from minidist.train.strategies.deepspeed import import_deepspeed
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
 
     real_import = builtins.__import__
 

@@ -254,7 +254,7 @@ def test_streaming_resumes_exactly_from_a_save_with_an_all_reduce_in_flight(rank
     straight = run(pool, tmp_path, "straight", *opts, strategy="diloco_streaming")
     run(pool, tmp_path, "split", *opts, "trainer.stop_at=9", strategy="diloco_streaming")
     ckpt = list_checkpoints(tmp_path / "split")[0]
-    from minidist.train.safe_load import load_tensors
+    from minidist.train.checkpoint_safety import load_tensors
 
     pending = [f["pending"] for f in load_tensors(ckpt / "outer.pt")["fragments"]]
     assert pending[0] is not None and pending[0]["apply_at"] == 10 and pending[1:] == [None] * 3
@@ -364,7 +364,7 @@ def test_zero_within_the_worker_resumes_exactly_and_under_ddp(ranks, tmp_path):
     straight = run(pool, tmp_path, "straight", *opts, "strategy.inner=zero3", strategy="diloco_streaming")
     run(pool, tmp_path, "split", *opts, "strategy.inner=zero3", "trainer.stop_at=9", strategy="diloco_streaming")
     ckpt = list_checkpoints(tmp_path / "split")[0]
-    from minidist.train.safe_load import load_tensors
+    from minidist.train.checkpoint_safety import load_tensors
 
     pending = [f["pending"] for f in load_tensors(ckpt / "outer.pt")["fragments"]]
     assert pending[0] is not None and pending[0]["apply_at"] == 10 and pending[1:] == [None] * 3

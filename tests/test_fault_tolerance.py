@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minidist.train.checkpoint import latest_checkpoint
-from minidist.train.faults import marker, planned_kills
+from minidist.train.resilience import marker, planned_kills
 from omegaconf import OmegaConf
 from train_cases import PYTHON, RECIPE, ROOT, assert_same, load_everything, tiny, tiny_overrides
 
@@ -166,7 +166,7 @@ def leftover_processes(tag: str) -> list:
 
 
 def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
-    from minidist.train.collective_failure import collective_failure
+    from minidist.train.resilience import collective_failure
     late = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 4000ms for recv operation")
     gone = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40087: Connection reset by peer")
     other = RuntimeError("[gloo/allreduce.cc:12] Gloo all_reduce failed: tensors must have the same size")

@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh is tested before a GPU ever runs it: its syntax, its verdict on the
 runs' summaries, and (slow) a dry run of every stage on CPU with world size 1. Also what a stuck
-NCCL collective leaves behind (minidist/train/nccl_debug.py)."""
+NCCL collective leaves behind (minidist/train/resilience.py)."""
 
 from __future__ import annotations
 
@@ -68,18 +68,18 @@ def test_no_summary_is_a_failure(tmp_path):
 
 
 def test_nccl_runs_dump_their_last_collectives_into_the_run_and_the_failure_says_where(tmp_path, monkeypatch):
-    from minidist.train import nccl_debug
+    from minidist.train import resilience
 
-    for key in nccl_debug.flight_recorder_env(tmp_path):
+    for key in resilience.flight_recorder_env(tmp_path):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own setting wins
-    nccl_debug.enable_flight_recorder(tmp_path / "logs")
+    resilience.enable_flight_recorder(tmp_path / "logs")
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
-    assert nccl_debug.dumps_line(tmp_path / "logs") is None
+    assert resilience.dumps_line(tmp_path / "logs") is None
     (tmp_path / "logs" / "nccl_trace_rank_1").write_bytes(b"...")
-    line = nccl_debug.dumps_line(tmp_path / "logs")
+    line = resilience.dumps_line(tmp_path / "logs")
     assert "rank(s) 1" in line and "torch.distributed.flight_recorder.fr_trace" in line
 
 

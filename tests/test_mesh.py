@@ -44,7 +44,7 @@ def test_under_srun_the_mesh_the_launch_and_the_byte_accounting_see_the_same_hos
     """srun without --ntasks-per-node: 2 hosts of 4, seen alike by all three readers (issue 27,
     part 3: the byte accounting read LOCAL_WORLD_SIZE only, and counted one host)."""
     from minidist.dist import detect_launch
-    from minidist.train.cross_host import HostTraffic
+    from minidist.train.resilience import HostTraffic
 
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)",
            "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "node[01-02]"}

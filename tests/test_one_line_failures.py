@@ -50,7 +50,7 @@ def test_a_run_directory_that_cannot_be_written_is_named_on_the_console(tmp_path
 
 
 def test_a_failure_whose_log_cannot_be_written_still_says_what_failed(tmp_path):
-    from minidist.train.failure_report import report_failure
+    from minidist.train.resilience import report_failure
     (tmp_path / "logs").write_text("not a folder")
     line = report_failure(ValueError("the real cause"), 1, 3, tmp_path)
     assert "rank 1 stopped after step 3: ValueError: the real cause" in line and "no traceback kept" in line
@@ -86,7 +86,7 @@ def test_the_rank_that_failed_first_is_named_not_the_ones_that_waited_for_it(tmp
     import json
     import time
 
-    from minidist.train.failure_report import who_failed_first
+    from minidist.train.resilience import who_failed_first
 
     def records(**kinds):  # rank -> (kind, seconds after the launch)
         logs = tmp_path / "logs"

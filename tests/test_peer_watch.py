@@ -1,4 +1,4 @@
-"""The heartbeat that notices a vanished host in seconds (minidist/train/peer_watch.py): a rank
+"""The heartbeat that notices a vanished host in seconds (minidist/train/resilience.py): a rank
 whose ring neighbour stops beating leaves and says why; every other rank learns it from the
 store within one interval; a rank that finished is never taken for a lost one."""
 
@@ -6,7 +6,7 @@ import time
 
 import torch.distributed as dist
 
-from minidist.train.peer_watch import PeerWatch
+from minidist.train.resilience import PeerWatch
 
 
 def watches(world: int, timeout_s: float = 0.6):

@@ -155,7 +155,7 @@ def test_a_random_chain_of_world_sizes_and_strategies_equals_the_straight_run(ra
 
 def test_what_cannot_continue_is_refused_in_one_line_naming_the_fix():
     from minidist.train.config_check import check_layouts_meet, grad_accum_on_resume
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
     from train_cases import compose_cfg, tiny_overrides
 
     cfg = compose_cfg(tiny_overrides(*BATCH))

@@ -9,9 +9,9 @@ from omegaconf import OmegaConf
 
 from minidist.train.checkpoint import latest_checkpoint, read_meta
 from minidist.train.config_check import resume_notice, validate
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.optim import lr_lambda
-from minidist.train.resume_changes import typed_keys
+from minidist.train.config import typed_keys
 from train_cases import compose_cfg, tiny, tiny_overrides, train_on_rank
 
 FIRST = ("trainer.max_steps=6",)

@@ -21,7 +21,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from minidist import comm
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.strategies import Collective, Strategy, StrategySpec, register
 from train_cases import ROOT, assert_same, compose_cfg, tiny, train_on_rank
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minidist.train.config_check import validate
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.launch_train import local_nproc
 from train_cases import CONFIGS, compose_cfg, tiny_overrides
 
@@ -109,7 +109,7 @@ def test_peak_tflops_auto_comes_from_the_device(monkeypatch):
     precision, none for an unknown GPU (MFU is then left out); a number is taken as given."""
     import torch
 
-    from minidist.train.peak_flops import CPU_TFLOPS, peak_tflops
+    from minidist.train.device import CPU_TFLOPS, peak_tflops
     assert peak_tflops("auto", torch.device("cpu"), "fp32") == CPU_TFLOPS
     assert peak_tflops(12.5, torch.device("cpu"), "bf16") == 12.5
     for name, precision, expected in (("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H200", "fp32", 67.0),
@@ -121,7 +121,7 @@ def test_peak_tflops_auto_comes_from_the_device(monkeypatch):
 
 def test_peak_tflops_must_be_auto_or_a_positive_number(tmp_path):
     from minidist.train.config_check import validate
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
     from train_cases import compose_cfg, tiny_overrides
     with pytest.raises(ConfigError, match="trainer.peak_tflops='fast' must be auto"):
         validate(compose_cfg(tiny_overrides("trainer.peak_tflops=fast")), 2, tmp_path / "run")

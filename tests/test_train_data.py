@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from minidist.train.data import (DataInfo, DataSource, ShardedBatchSampler, TokenWindows, build_datasets, collate,
                                  data_source, stdlib_files, train_size)
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

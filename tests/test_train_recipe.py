@@ -124,9 +124,9 @@ def test_command_line_errors_are_one_line_and_write_nothing(ranks, tmp_path, cap
     import shutil
 
     from minidist.train.config_check import validate
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
     from minidist.train.launch_train import launch
-    from minidist.train.manifest import write_manifest
+    from minidist.train.checkpoint_safety import write_manifest
     from train_cases import compose_cfg
 
     from minidist.train.app import main

@@ -81,9 +81,9 @@ def train_on_rank(cfg_dict: dict, run_dir: str, resume_from: str | None = None) 
 def load_everything(ckpt: Path) -> dict:
     """Every file of a checkpoint (subfolders too: DeepSpeed's) except meta.pt, loaded:
     relative path -> object (for bitwise comparison)."""
-    from minidist.train.safe_load import DEEPSPEED_DIR, deepspeed_classes, load_tensors
+    from minidist.train.checkpoint_safety import DEEPSPEED_DIR, deepspeed_classes, load_tensors
 
-    def allowed(f: Path) -> list:  # DeepSpeed's own files hold three of its classes (safe_load.py)
+    def allowed(f: Path) -> list:  # DeepSpeed's own files hold three of its classes (checkpoint_safety.py)
         return deepspeed_classes() if DEEPSPEED_DIR in f.relative_to(ckpt).parts else []
     return {str(f.relative_to(ckpt)): load_tensors(f, allow=allowed(f))
             for f in sorted(ckpt.rglob("*.pt")) if f.name != "meta.pt"}

@@ -40,7 +40,7 @@ def compare(cfg) -> None:
 
     from minidist.compare.launch_compare import check_strategies, launch
     from minidist.dist import launch_rank
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
 
     try:
         check_strategies(cfg)

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from minidist.dist import launch_rank
 from minidist.launch import RanksFailed, run_ranks
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.compare.variants import base_of
 from minidist.train.strategies import names as strategy_names
 from minidist.train.strategies import spec

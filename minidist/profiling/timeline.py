@@ -6,7 +6,7 @@
 
 Sources, all measured in the step itself:
 - torch.profiler: the step's phases (the "minidist.forward/backward/optimizer" ranges of
-  minidist/train/step.py), every aten op on the training thread (compute), every
+  minidist/train/optim.py), every aten op on the training thread (compute), every
   collective the backend ran ("gloo:all_reduce" ... on gloo's threads, from start to end),
   and each collective call with its tensors' shapes (`c10d::allreduce_` ...: the bytes).
 - our send/recv ring collectives run on a Python thread the profiler does not see: they

@@ -3,7 +3,7 @@
 `torchrun --nproc_per_node 4 -m minidist.train strategy=zero3` works from any directory).
 
 Hydra overrides as usual; outputs under the current directory (outputs/train/DATE/TIME, or
-hydra.run.dir); the configs from minidist.train.config_dir (the repository's, or the copy a
+hydra.run.dir); the configs from minidist.train.config (the repository's, or the copy a
 wheel carries). A mistake in an override (`trainer.max_step=5`, `strategy=zer3`) is one line
 naming it and the closest valid names, exit status 2; `HYDRA_FULL_ERROR=1` shows Hydra's own.
 """
@@ -33,7 +33,7 @@ def run_app(config_name: str, body: Callable, argv: list[str], prog: str,
     import hydra
 
     from minidist.dist import launch_rank
-    from minidist.train.config_dir import config_dir
+    from minidist.train.config import config_dir
 
     sys.argv = [prog, *argv]
     if launch_rank() != 0:
@@ -78,7 +78,7 @@ def sweep_jobs(config_name: str, argv: list[str]) -> list[list[str]]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from minidist.train.config_dir import config_dir
+    from minidist.train.config import config_dir
 
     parser = OverridesParser.create()
     given = parser.parse_overrides([a for a in argv if not a.startswith("-")])
@@ -106,8 +106,8 @@ def check_every_job(config_name: str, jobs: list[list[str]], precheck: Callable)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from minidist.train.config_dir import config_dir
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import config_dir
+    from minidist.train.config import ConfigError
 
     bad = []
     for n, job in enumerate(jobs):
@@ -172,7 +172,7 @@ def _keys_at(config_name: str, argv: list[str], path: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from minidist.train.config_dir import config_dir
+    from minidist.train.config import config_dir
 
     choices = [a for a in argv if "=" in a and "." not in a.split("=", 1)[0] and not a.startswith(("+", "~", "-"))]
     GlobalHydra.instance().clear()

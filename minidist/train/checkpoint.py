@@ -6,13 +6,13 @@
                              rank-local where a strategy does not broadcast them, e.g. fully_shard)
         the model and optimizer state, in the strategy's layout (checkpoint_layouts.py: full,
                              sharded or deepspeed, each one class that saves, loads and consolidates)
-        manifest.json        every other file's size and sha256, written last (manifest.py)
+        manifest.json        every other file's size and sha256, written last (checkpoint_safety.py)
 
 Safe to open: minidist saves only tensors and plain containers, and reads every file with
-torch.load(weights_only=True) (safe_load.py); a file holding anything else is refused, naming it.
+torch.load(weights_only=True) (checkpoint_safety.py); a file holding anything else is refused, naming it.
 
 Atomic and durable: every rank writes into `.step_XXXXXXXX.tmp` and fsyncs it; only when all
-have finished does rank 0 write `manifest.json` (every file's size and sha256, manifest.py) and
+have finished does rank 0 write `manifest.json` (every file's size and sha256, checkpoint_safety.py) and
 rename the folder to `step_XXXXXXXX`. A rename is atomic, so a process killed while saving
 leaves a `.tmp` folder that is never mistaken for a checkpoint (and is removed at the next
 start). Before a checkpoint is used (resume, consolidate) it is checked against its manifest.
@@ -36,9 +36,9 @@ import torch
 from minidist import comm
 from minidist.dist import get_logger
 from minidist.train.checkpoint_layouts import layout_for, layout_of, write_files
-from minidist.train.errors import ConfigError
-from minidist.train.manifest import NAME as MANIFEST, write_manifest
-from minidist.train.safe_load import load_tensors, verify_checkpoint_files
+from minidist.train.config import ConfigError
+from minidist.train.checkpoint_safety import NAME as MANIFEST, write_manifest
+from minidist.train.checkpoint_safety import load_tensors, verify_checkpoint_files
 
 FORMAT = "minidist.train.v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -224,7 +224,7 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
     reports = comm.all_gather_object((error is not None, written))  # did any fail; what each wrote
     failed = any(f for f, _ in reports)
     if not failed and rank == 0:  # every rank's files are written
-        try:  # the manifest, last: what every file should be (manifest.py), then the atomic rename
+        try:  # the manifest, last: what every file should be (checkpoint_safety.py), then the atomic rename
             write_manifest(tmp, {name: entry for _, files in reports for name, entry in files.items()})
             sync_to_disk(tmp, files=False)
             if final.exists():  # the same step saved again (a resumed run)

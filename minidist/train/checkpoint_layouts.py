@@ -10,7 +10,7 @@ engine), never files.
                which parameter each key holds (tied weights), for consolidation
     deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
     dcp        torch.distributed.checkpoint's folder (dcp/): every rank writes its own shards at
-               once, nothing is gathered (native_fsdp, native_hsdp); dcp_files.py reads it safely;
+               once, nothing is gathered (native_fsdp, native_hsdp); checkpoint_safety.py reads it safely;
                and layout.pt, the module's key order
     workers    DiLoCo's: worker%05d.pt per worker (its own weights and inner optimizer state, whole,
                by its first rank, whatever the inner strategy), outer.pt (the outer weights, momentum
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from minidist.parallel.sharded_format import assemble, full_parameters, merged_pieces
-from minidist.train.safe_load import load_tensors, save_tensors, verify_checkpoint_files
+from minidist.train.checkpoint_safety import load_tensors, save_tensors, verify_checkpoint_files
 
 MODEL = "model.pt"
 OPTIMIZER = "optimizer.pt"
@@ -56,7 +56,7 @@ def state_dict_layout(net: torch.nn.Module) -> dict:
 
 def write_files(directory: Path, files: dict[str, object]) -> dict[str, dict]:
     """What a layout's collect() gave, into `directory` (no communication: a background writer may).
-    Returns each file's manifest entry, hashed as it was written (manifest.py)."""
+    Returns each file's manifest entry, hashed as it was written (checkpoint_safety.py)."""
     return {name: save_tensors(payload, Path(directory) / name) for name, payload in files.items()}
 
 
@@ -182,7 +182,7 @@ class DeepSpeedLayout:
 
     def load(self, strategy, directory: Path, meta: dict) -> None:
         # DeepSpeed's loader unpickles without restriction: first prove every file holds only
-        # tensors, containers and DeepSpeed's three plain classes (safe_load.py).
+        # tensors, containers and DeepSpeed's three plain classes (checkpoint_safety.py).
         verify_checkpoint_files(directory)
         path, _ = strategy.engine.load_checkpoint(str(directory / DEEPSPEED), tag="state",
                                                   load_lr_scheduler_states=False)
@@ -193,7 +193,7 @@ class DeepSpeedLayout:
     consolidate = Full.consolidate
 
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
-        from minidist.train.errors import ConfigError
+        from minidist.train.config import ConfigError
 
         raise ConfigError(f"{ckpt} is DeepSpeed's own checkpoint (its optimizer state partitioned its way): it "
                           f"resumes only as strategy={meta['strategy']} at {meta['world_size']} ranks; to start another "
@@ -215,9 +215,9 @@ class Distributed:
     writer = "torch.distributed.checkpoint"
 
     def save(self, strategy, directory: Path) -> None:
-        from minidist.train import dcp_files
+        from minidist.train import checkpoint_safety
 
-        dcp_files.save(strategy.dcp_state_dict(), Path(directory) / DCP)
+        checkpoint_safety.save(strategy.dcp_state_dict(), Path(directory) / DCP)
         if strategy.ctx.rank == 0:  # the module's key order, which DCP's metadata does not keep
             save_tensors(state_dict_layout(strategy.net), Path(directory) / LAYOUT)
 
@@ -225,20 +225,20 @@ class Distributed:
         strategy.load_dcp(Path(directory) / DCP)
 
     def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
-        from minidist.train import dcp_files
+        from minidist.train import checkpoint_safety
 
-        return dcp_files.saved_shapes(Path(ckpt) / DCP, "model.")
+        return checkpoint_safety.saved_shapes(Path(ckpt) / DCP, "model.")
 
     def consolidate(self, ckpt: Path, meta: dict) -> dict:
-        from minidist.train import dcp_files
+        from minidist.train import checkpoint_safety
 
-        model = dcp_files.read_full(Path(ckpt) / DCP, only={"model"})["model"]  # the optimizer's state unread
+        model = checkpoint_safety.read_full(Path(ckpt) / DCP, only={"model"})["model"]  # the optimizer's state unread
         return {key: model[key] for key in load_tensors(Path(ckpt) / LAYOUT)["order"]}
 
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
-        from minidist.train import dcp_files
+        from minidist.train import checkpoint_safety
 
-        state = dcp_files.read_full(Path(ckpt) / DCP)
+        state = checkpoint_safety.read_full(Path(ckpt) / DCP)
         return state["model"], state["optim"]
 
     def describe(self, meta: dict) -> str:
@@ -336,7 +336,7 @@ def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout | Distributed | Wor
 def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout | Distributed | Workers:
     """The layout a checkpoint was written in (meta.pt's `layout`; older ones said `sharded`, and
     DeepSpeed's were told apart by their strategy)."""
-    from minidist.train.errors import ConfigError
+    from minidist.train.config import ConfigError
     from minidist.train.strategies import spec
 
     if "layout" in meta:

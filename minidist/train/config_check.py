@@ -15,11 +15,11 @@ import torch
 from minidist.dist import print0
 from minidist.train import data as data_mod
 from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkpoints, read_meta
-from minidist.train.safe_load import CheckpointRefused, verify_checkpoint_files
-from minidist.train.errors import ConfigError
-from minidist.train.faults import planned_kills
+from minidist.train.checkpoint_safety import CheckpointRefused, verify_checkpoint_files
+from minidist.train.config import ConfigError
+from minidist.train.resilience import planned_kills
 from minidist.train.models import MODELS, build_model
-from minidist.train.resume_changes import config_changes, describe, is_fixed
+from minidist.train.config import config_changes, describe, is_fixed
 from minidist.parallel.shard_optimizer import check_elementwise
 from minidist.train.optim import optimizer_spec
 from minidist.train.strategies import check_options, mesh_dims
@@ -49,7 +49,7 @@ def grad_accum_steps(cfg, world_size: int) -> int:
 
 def resolve_resume(cfg, run_dir: Path) -> Path | None:
     """The checkpoint to continue from, verified (its manifest, then every file opened safely:
-    safe_load.py), or None for a fresh start."""
+    checkpoint_safety.py), or None for a fresh start."""
     resume = str(cfg.trainer.resume)
     if resume == "none":
         if latest_checkpoint(run_dir) is not None:
@@ -66,7 +66,7 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def verified(ckpt: Path) -> Path:
-    """`ckpt`, checked against its manifest and every listed file opened safely (safe_load.py),
+    """`ckpt`, checked against its manifest and every listed file opened safely (checkpoint_safety.py),
     saying once which files beside them it ignores; a CheckpointRefused naming the first that fails."""
     unlisted = verify_checkpoint_files(ckpt)  # no file of it runs code when opened
     if unlisted:
@@ -76,7 +76,7 @@ def verified(ckpt: Path) -> Path:
 
 
 def newest_readable_checkpoint(run_dir: Path) -> Path | None:
-    """trainer.resume=auto: the newest checkpoint whose every file opens (safe_load.py), saying in
+    """trainer.resume=auto: the newest checkpoint whose every file opens (checkpoint_safety.py), saying in
     one line each newer one skipped and why; None when there is none at all."""
     found = list_checkpoints(run_dir)
     for ckpt in reversed(found):
@@ -237,7 +237,7 @@ def compose_defaults():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from minidist.train.config_dir import config_dir
+    from minidist.train.config import config_dir
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose on its own
         return compose(config_name="train")

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from minidist.train.errors import ConfigError
-from minidist.train.targets import class_named
+from minidist.train.config import ConfigError
+from minidist.train.config import class_named
 
 
 @dataclass(frozen=True)

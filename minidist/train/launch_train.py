@@ -22,10 +22,10 @@ from minidist.dist import choose_backend, detect_launch, launch_rank
 from minidist.launch import RanksFailed, Stopped, run_ranks, under_launcher
 from minidist.train.config_check import resume_notice, validate
 from minidist.train.checkpoint import CheckpointWriteFailed
-from minidist.train.errors import ConfigError
-from minidist.train.failure_report import read_records, report_failure, who_failed_first
-from minidist.train.nccl_debug import dumps_line, enable_flight_recorder
-from minidist.train.resume_changes import typed_keys
+from minidist.train.config import ConfigError
+from minidist.train.resilience import read_records, report_failure, who_failed_first
+from minidist.train.resilience import dumps_line, enable_flight_recorder
+from minidist.train.config import typed_keys
 from minidist.train.run_lock import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
 from minidist.train.stop_signal import StopSignals, exit_status
 
@@ -108,7 +108,7 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopS
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if choose_backend(cfg.launcher.backend, detect_launch().local_world_size) == "nccl":
-        enable_flight_recorder(Path(run_dir) / "logs")  # a stuck collective is dumped, named (nccl_debug.py)
+        enable_flight_recorder(Path(run_dir) / "logs")  # a stuck collective is dumped, named (resilience.py)
     try:
         ctx = minidist.init_distributed(backend=cfg.launcher.backend, timeout_s=float(cfg.launcher.timeout_s))
     except minidist.RendezvousError as e:  # a port in use, an unreachable master: the message is the fix

@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 
 NAME = "run.lock"
 # The folders of a run directory the run writes into, and owns: never links, checked before any rank starts.

@@ -24,10 +24,10 @@ from typing import Callable
 import torch
 
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
-from minidist.train.device_setup import to_device
+from minidist.train.device import to_device
 from minidist.train.models import build_model
 from minidist.train.optim import lr_lambda, optimizer_spec
-from minidist.train.step import accumulate_and_step, task_loss
+from minidist.train.optim import accumulate_and_step, task_loss
 from minidist.train.strategies import Strategy, build_strategy
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -36,20 +36,20 @@ from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load
                                        remove_partial_saves, save_checkpoint)
 from minidist.train.async_checkpoint import AsyncCheckpoints
 from minidist.train.checkpoint_layouts import layout_for
-from minidist.train.cross_host import HostTraffic, cross_host_sent
+from minidist.train.resilience import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
-from minidist.train.device_setup import configure_device, to_device
-from minidist.train.failure_report import write_record
-from minidist.train.peer_watch import PeerWatch
-from minidist.train.faults import FaultPlan
-from minidist.train.collective_failure import collective_failure
+from minidist.train.device import configure_device, to_device
+from minidist.train.resilience import write_record
+from minidist.train.resilience import PeerWatch
+from minidist.train.resilience import FaultPlan
+from minidist.train.resilience import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
 from minidist.train.run_log import RunLog
 from minidist.train.run_lock import append_file, replacing
 from minidist.train.optim import optimizer_spec
-from minidist.train.peak_flops import peak_tflops
-from minidist.train.resume_changes import config_changes, describe, schedule_changed
+from minidist.train.device import peak_tflops
+from minidist.train.config import config_changes, describe, schedule_changed
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
 from minidist.train.stop_signal import StopSignals, signal_name
 from minidist.train.strategies import local_tensor
@@ -153,7 +153,7 @@ class Trainer:
         if self.peak_tflops is None:
             self.log.info(f"no MFU: {torch.cuda.get_device_name(ctx.device)} is not in peak_flops.KNOWN_GPUS; "
                           "set trainer.peak_tflops to its peak TFLOP/s in this precision")
-        self.host_traffic = HostTraffic(ctx.rank, ctx.world_size)  # bytes between hosts (cross_host.py)
+        self.host_traffic = HostTraffic(ctx.rank, ctx.world_size)  # bytes between hosts (resilience.py)
         self.cross_host_theory: list[tuple[float, int]] = []
         reseed_per_rank(t.seed, ctx.rank)
         if ctx.rank == 0:  # a save that did not finish (killed, disk full) left its partial folder
@@ -169,7 +169,7 @@ class Trainer:
                               f"{layout.writer}, communicating as it does: they stay synchronous")
             else:
                 self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy)
-        # A host that vanishes makes the others leave within launcher.peer_timeout_s (peer_watch.py)
+        # A host that vanishes makes the others leave within launcher.peer_timeout_s (resilience.py)
         self.peer_watch = PeerWatch.start(ctx, float(cfg.launcher.get("peer_timeout_s", 0)), step=lambda: self.step,
                                           run_dir=self.run_dir)
         self.samples_log = None
@@ -473,7 +473,7 @@ class Trainer:
     def _cross_host_traffic(self) -> dict:
         """Per step, all hosts together: the payload between hosts the ring model predicts from this
         run's collectives and the most TCP packets it takes (absent for strategies whose collectives
-        minidist does not see), and what the network interfaces sent (cross_host.py). A collective."""
+        minidist does not see), and what the network interfaces sent (resilience.py). A collective."""
         n = max(1, len(self.cross_host_theory))
         sent = sum(b for b, _ in self.cross_host_theory) / n
         packets = sum(p for _, p in self.cross_host_theory) / n

@@ -21,7 +21,7 @@ from torch import nn
 
 from minidist.memory import measure, optimizer_tensors
 from minidist.timing import to_host
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.strategies.spec import StrategySpec
 
 

@@ -37,7 +37,7 @@ import sys
 import torch
 
 from minidist.memory import measure
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ZERO3, ZERO12, StrategySpec

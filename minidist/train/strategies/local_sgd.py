@@ -29,7 +29,7 @@ import torch
 
 from minidist.memory import measure
 from minidist.parallel.diloco import DiLoCo
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.ours import WIRES, ShardedModelState
 from minidist.train.strategies.registry import register

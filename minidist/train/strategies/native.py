@@ -140,10 +140,10 @@ class NativeFSDP(Strategy):
         """Load a torch.distributed.checkpoint folder saved at any world size or mesh. A collective."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        from minidist.train import dcp_files
+        from minidist.train import checkpoint_safety
 
         state = self.dcp_state_dict()
-        dcp_files.load_into(state, folder)
+        checkpoint_safety.load_into(state, folder)
         set_model_state_dict(self.net, state["model"])
         set_optimizer_state_dict(self.net, self.optimizer, state["optim"])
 

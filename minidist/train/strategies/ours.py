@@ -20,7 +20,7 @@ import functools
 import torch
 
 from minidist.comm.wire import FORMATS
-from minidist.train.errors import ConfigError
+from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups

@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from minidist.train.config_dir import config_dir
-from minidist.train.errors import ConfigError
+from minidist.train.config import config_dir
+from minidist.train.config import ConfigError
 from minidist.train.strategies.spec import StrategySpec
 
 FAMILIES = ("minidist.train.strategies.ours", "minidist.train.strategies.native",

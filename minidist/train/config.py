@@ -1,4 +1,15 @@
-"""A run resumed with other settings than the checkpoint was written with: what may change.
+"""The rules of a config, in one place (no import of the rest of the trainer: everything imports it).
+
+The errors a user's input can cause: each printed as a single line, exit status 2.
+
+Where minidist's Hydra configs are: the copy a wheel carries inside the package
+(minidist/_configs, put there by setup.py), else the repository's top-level configs/ (a
+checkout, or an editable install of one).
+
+A config's `_target_`: the class it names, accepted only if it is the kind of class the
+config group builds, so a config cannot name arbitrary code to run.
+
+A run resumed with other settings than the checkpoint was written with: what may change.
 
     trainer.resume: settings changed since step_00000020 was written: optim.lr 0.003 -> 0.5,
         trainer.max_steps 400 -> 800 (applied from step 20)
@@ -12,6 +23,58 @@ shape its state. Those are refused in one line before any rank starts (exit 2), 
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A bad override or an impossible combination. The message names the key and the fix."""
+
+
+class CheckpointRefused(ConfigError):
+    """A checkpoint file that does not match its manifest, is not only tensors and plain
+    containers, or cannot be read. The message names the file; nothing in it was loaded."""
+
+
+PACKAGE = Path(__file__).resolve().parents[1]  # the minidist/ folder
+CANDIDATES = (PACKAGE / "_configs", PACKAGE.parent / "configs")
+
+
+def config_dir() -> Path:
+    """The folder holding train.yaml and the config groups (strategy/, model/, ...)."""
+    for candidate in CANDIDATES:
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"minidist's configs are in none of {[str(c) for c in CANDIDATES]}: reinstall minidist "
+                            "(pip install .), or run it from a checkout of the repository")
+
+
+def class_named(target: str, base: type, key: str, example: str, module: str | None = None) -> type:
+    """The class `target` (a dotted path) names, if it is a subclass of `base`; else a
+    ConfigError naming `key` (e.g. "optim._target_") and a working `example`.
+
+    Importing a module runs its code, so what may be imported is decided from the name first:
+    `base`'s own package (torch for optimizers, minidist for data sets), or the package the
+    group's `module` key names — the config saying, in a key of its own, which code it trusts."""
+    from hydra.utils import get_object
+
+    group = key.rsplit(".", 1)[0]
+    trusted = [base.__module__.split(".")[0], *([str(module)] if module else [])]
+    where = target.rsplit(".", 1)[0] if "." in target else ""
+    if not any(where == p or where.startswith(p + ".") for p in trusted):
+        raise ConfigError(f"{key}={target!r} was not imported: only {' and '.join(trusted)}'s classes are, without "
+                          f"more (importing a module runs its code). For a class of your own, also name its package: "
+                          f"{group}.module={target.split('.')[0]}")
+    try:
+        found = get_object(target)
+    except Exception as e:  # Hydra wraps the import error
+        raise ConfigError(f"{key}={target!r} cannot be imported ({str(e).splitlines()[0]}): name a "
+                          f"{base.__module__}.{base.__qualname__} class, e.g. {example}") from None
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise ConfigError(f"{key}={target!r} is not a subclass of {base.__module__}.{base.__qualname__}: name "
+                          f"one, e.g. {example}")
+    return found
+
 
 # Keys (or groups, ending in ".") that may not change on resume, and why.
 FIXED = {
