@@ -76,7 +76,7 @@ MUTATIONS = [
              "        for bucket in [b for b in self.buckets if b.pending == 0 and b.handle is None]:\n",
              ("tests/test_ddp.py", "tests/test_drop_in.py")),
     Mutation("grad_scaler_found_inf_not_agreed", "an overflow on one rank's shard skips the step on every rank",
-             "minidist/parallel/scaler_agreement.py",
+             "minidist/parallel/sharded_grad.py",
              "            comm.all_reduce(found_inf, op=comm.ReduceOp.MAX, group=ours[0].group)", "            pass",
              ("tests/test_porting.py",)),
     Mutation("require_backward_grad_sync_ignored", "model.require_backward_grad_sync = ... switches synchronisation",

@@ -1,13 +1,13 @@
 """One owner per checkpoint layout (issue 28, part 0): checkpoint_layouts.py's Full, Sharded and
 DeepSpeedLayout save, load, report shapes and consolidate; strategies expose state, not files;
-the sharded format is read in one module (minidist.parallel.sharded_format)."""
+the sharded format is read in one module (minidist.parallel.flat_shard)."""
 
 import ast
 
 import pytest
 import torch
 
-from minidist.parallel.sharded_format import assemble, full_parameters
+from minidist.parallel.flat_shard import assemble, full_parameters
 from minidist.train.checkpoint_layouts import LAYOUTS, layout_of
 from minidist.train.strategies import specs
 from train_cases import ROOT

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import ddp_cases
 import minidist
 from minidist.comm import CommTracer
-from minidist.parallel.powersgd import PowerSGD, orthonormalise
+from minidist.parallel.comm_hooks import PowerSGD, orthonormalise
 
 
 def test_orthonormalise():

@@ -7,7 +7,7 @@ import importlib
 
 _HOME = {
     "DataParallel": "minidist.parallel.ddp", "DiLoCo": "minidist.parallel.diloco", "Join": "minidist.parallel.join",
-    "PowerSGD": "minidist.parallel.powersgd",
+    "PowerSGD": "minidist.parallel.comm_hooks",
     "ShardedDataParallel": "minidist.parallel.zero3",  # which registers stage 3 with the class zero.py defines
     "allreduce_hook": "minidist.parallel.comm_hooks", "fp16_compress_hook": "minidist.parallel.comm_hooks",
     "bf16_compress_hook": "minidist.parallel.comm_hooks", "HierarchicalAllReduce": "minidist.parallel.comm_hooks",

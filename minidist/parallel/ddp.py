@@ -43,13 +43,13 @@ from minidist import comm
 from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
-from minidist.parallel.buffer_sync import BufferSync
+from minidist.parallel.compat import BufferSync
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, WireAllReduce, allreduce_hook
 from minidist.parallel.join import FORWARD, final_sync, global_rank
-from minidist.parallel.native_args import (check_devices, check_materialised, check_not_wrapped, mark_wrapped,
+from minidist.parallel.compat import (check_devices, check_materialised, check_not_wrapped, mark_wrapped,
                                            process_group_of, refuse_unknown)
-from minidist.parallel.powersgd import PowerSGD
+from minidist.parallel.comm_hooks import PowerSGD
 
 
 def check_same_parameters(module: nn.Module, group=None) -> None:
@@ -113,7 +113,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
             group's timeout (init_distributed's timeout_s) and then fail.
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a
             forward whose previous forward synchronised gradients (native DDP's rule: once
-            per optimizer step under no_sync accumulation; see buffer_sync.py).
+            per optimizer step under no_sync accumulation; see compat.py).
         comm_hook: callable(bucket) -> object with wait(); or "allreduce", "fp16", "bf16",
             "powersgd" (rank 4; or pass minidist.parallel.PowerSGD(rank=...)). "bf16" and "fp16"
             are native DDP's compression hooks: the all_reduce runs on the cast copy, so every partial
@@ -125,7 +125,7 @@ class DataParallel(GradientSyncSwitch, nn.Module):
         process_group: the group to reduce over (default: the world); or device_mesh, a 1-D
             torch DeviceMesh standing for its group.
 
-    Native DDP's other arguments, as GPU scripts pass them (native_args.py): device_ids and
+    Native DDP's other arguments, as GPU scripts pass them (compat.py): device_ids and
     output_device, when they name the module's own device; dim, static_graph and
     check_reduction, which change nothing here; init_sync=False, which skips the initial
     broadcast (the ranks already agree). The rest are refused, naming why.

@@ -1,4 +1,24 @@
-"""FlatShard: a group of parameters laid out in one flat buffer, of which this rank owns a slice.
+"""ZeRO's flat shards, in one place: the sharded checkpoint format, the padded flat groups with their master
+shards and their one parameter gather, and hpZ's secondary shard.
+
+The `minidist.sharded.v1` format: what ShardedDataParallel.sharded_state_dict() writes, read in
+one place. Its loader, the optimizer's re-cut and offline consolidation all read through here.
+
+One dict per saved shard (a rank of the shard group):
+
+    {"format": "minidist.sharded.v1", "world_size": W, "rank": r, "stage": k, "mesh": [R, S] | None,
+     "shapes": {name: shape},                          # every sharded parameter
+     "params": {name: [(start, values), ...]},         # this rank's pieces, start = offset in the flattened parameter
+     "optim": {key: {name: [(start, values), ...]}},   # per-element optimizer state (exp_avg, ...), likewise
+     "optim_scalars": {shard index: [per group {key: value}]},   # step counters and the like
+     "param_groups": [{option: value}],                # the optimizer's groups, without their parameters
+     "replicated": {state_dict key: tensor}}           # what is not sharded: buffers, frozen parameters
+
+Pieces carry their offsets, so any set of shards that covers a parameter rebuilds it, whatever
+world size or bucketing cut them: FlatShard.fill_from_pieces re-cuts them for a live shard,
+`assemble` joins them into the whole tensor.
+
+FlatShard: a group of parameters laid out in one flat buffer, of which this rank owns a slice.
 
     flat (padded to a multiple of n):  [ p0 | p1 | p2 ......... | pad ]
     rank r owns                         [ r*s : (r+1)*s ),  s = padded / n
@@ -20,16 +40,71 @@ holds none of that group). The pieces are what the optimizer's groups hold:
 Both ZeRO-1/2 buckets and ZeRO-3 units are FlatShards; what differs is whether
 the full flat buffer lives all the time (stages 1-2) or only around the unit's
 forward and backward (stage 3).
+
+hpZ (ZeRO++'s hierarchical partitioning): a second, host-local copy of each unit's parameters,
+so stage 3's backward gathers never cross hosts.
+
+Stage 3 gathers every unit twice a step over the whole shard group: before its forward and
+again before its backward. With `secondary_shard=G` (FSDP2: `reshard_after_forward=G`), when a
+unit is freed after its forward each rank first keeps 1/G of the gathered parameters — its
+part within its block of G consecutive ranks (one host under torchrun and SLURM, whose ranks
+are numbered host by host) — and the backward gathers them back from that block only:
+
+    forward:   all_gather over the shard group (N ranks)  -> keep full[j*c:(j+1)*c], c = padded / G
+    backward:  all_gather over the G ranks of the block   -> the same values, bitwise
+
+Only the forward gather crosses hosts. The price is memory: each rank holds 1/G instead of 1/N
+of every unit's parameters between its forward and its backward. The copy is what the forward
+gathered (after a param_wire, the wire's values), so forward and backward compute with the
+same weights; it is dropped after backward, at the next forward and after an optimizer step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from dataclasses import dataclass
 from torch import nn
-
 from minidist import comm
+import torch.distributed as dist
+from minidist.dist import ranks_per_host
+
+
+FORMAT = "minidist.sharded.v1"
+
+
+def check_format(states: list[dict]) -> None:
+    for s in states:
+        if s.get("format") != FORMAT:
+            raise ValueError(f"not a minidist sharded checkpoint (format {s.get('format')!r}, expected {FORMAT!r})")
+
+
+def merged_pieces(states: list[dict], part: str = "params", key: str | None = None,
+                  names=None) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Every saved shard's pieces of each parameter, together: of the parameters (part="params")
+    or of one optimizer state (part="optim", key="exp_avg"). `names`: those wanted (default: all
+    the checkpoint shapes)."""
+    names = list(states[0]["shapes"]) if names is None else list(names)
+    source = (lambda s: s[part]) if key is None else (lambda s: s[part].get(key, {}))
+    return {n: [p for s in states for p in source(s).get(n, [])] for n in names}
+
+
+def assemble(name: str, shape, pieces: list[tuple[int, torch.Tensor]], where: str = "the checkpoint") -> torch.Tensor:
+    """The whole tensor of parameter `name` from its pieces; a gap names what is missing."""
+    flat = torch.empty(int(torch.Size(shape).numel()), dtype=pieces[0][1].dtype if pieces else torch.float32)
+    covered = 0
+    for start, values in pieces:
+        flat[start:start + values.numel()] = values.reshape(-1)
+        covered += values.numel()
+    if covered != flat.numel():
+        raise ValueError(f"{where}: the shards hold {covered} of the {flat.numel()} values of {name!r}; "
+                         "is a shard file missing?")
+    return flat.view(tuple(shape))
+
+
+def full_parameters(states: list[dict], where: str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """name -> the whole parameter, from every shard of a checkpoint."""
+    pieces = merged_pieces(states)
+    return {name: assemble(name, shape, pieces[name], where) for name, shape in states[0]["shapes"].items()}
 
 
 @dataclass(frozen=True)
@@ -236,3 +311,57 @@ class FlatShard:
         out = torch.empty(self.padded, dtype=shard_values.dtype, device=self.device)
         comm.all_gather_into(out, shard_values.detach(), group=self.group, algorithm=self.algorithm)
         return out
+
+
+class SecondaryShards:
+    """The blocks of G ranks the backward gathers within, and each unit's kept part."""
+
+    def __init__(self, size: int, process_group, algorithm: str):
+        ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
+            else list(range(dist.get_world_size()))
+        n, me = len(ranks), dist.get_rank(process_group)
+        self.size, self.index, self.algorithm = size, me % size, algorithm
+        blocks = [ranks[b:b + size] for b in range(0, n, size)]
+        groups = [dist.new_group(block) for block in blocks]  # every rank creates every group, in order
+        self.group = groups[me // size]
+        self._kept: dict[int, torch.Tensor] = {}  # FlatShard.index -> its part of the full parameters
+
+    def keep(self, shard: FlatShard) -> None:
+        """Before `shard` is freed after its forward: keep this rank's 1/G of its full parameters."""
+        c = shard.padded // self.size
+        self._kept[shard.index] = shard.full[self.index * c:(self.index + 1) * c].clone()
+
+    def has(self, shard: FlatShard) -> bool:
+        return shard.index in self._kept
+
+    def gather(self, shard: FlatShard, async_op: bool = False):
+        """Gather `shard`'s full parameters from the kept parts, within the block only."""
+        part = self._kept.pop(shard.index)
+        shard.materialise()
+        with torch.no_grad():
+            return comm.all_gather_into(shard.full, part, group=self.group, async_op=async_op,
+                                        algorithm=self.algorithm)
+
+    def drop(self) -> None:
+        self._kept.clear()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._kept.values())
+
+
+def secondary_size(value, world_size: int, mesh) -> int | None:
+    """secondary_shard as given (None, an int G, or "host") -> G, or None where it changes nothing."""
+    if value is None or value is True or value is False:
+        return None
+    if mesh is not None:
+        raise ValueError("ShardedDataParallel: secondary_shard with a mesh: hybrid sharding already gathers within "
+                         "each shard group (a host); use it on a flat world (strategy=zero3)")
+    if value == "host":
+        value = ranks_per_host()
+        if value is None:
+            raise ValueError("ShardedDataParallel(secondary_shard='host'): the launcher does not say how many ranks "
+                             "each host runs (LOCAL_WORLD_SIZE / SLURM): give the number instead")
+    if not isinstance(value, int) or value < 1 or world_size % value:
+        raise ValueError(f"ShardedDataParallel(secondary_shard={value!r}): give a number of ranks that divides the "
+                         f"shard group's {world_size} (the ranks of one host), 'host', or None")
+    return value if value < world_size else None  # G = N: the backward gathers over N anyway

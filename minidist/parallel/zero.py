@@ -20,12 +20,12 @@ before each unit's forward and backward (stage 3, see zero3.py).
 
 Drop-in or refuse: the loop a user writes for native DDP gives native's result or
 fails at once naming the supported way (README "Drop-in"). torch.compile before or
-after wrapping trains as uncompiled (eager.py); after a synchronised backward each
+after wrapping trains as uncompiled (compat.py); after a synchronised backward each
 parameter's `.grad` is a placeholder that raises on use, since the averaged gradient
 exists only sharded (sharded_grad.py: use `model.clip_grad_norm_`); `state_dict()`
 waits for pending gathers, and at stage 3 refuses in favour of `full_state_dict()` /
 `sharded_state_dict()`; `load_state_dict()` also loads the master shards
-(module_state.py); stage 3 refuses double backward.
+(shard_optimizer.py); stage 3 refuses double backward.
 
 This file holds what all stages share (the optimizer, clipping, checkpoints,
 memory) and stages 1-2, which reuse DataParallel's backward machinery.
@@ -45,20 +45,20 @@ from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
 from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.memory import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch, used_on_any_rank
-from minidist.parallel.buffer_sync import BufferSync
-from minidist.parallel.eager import eager, runs_compiled_code
+from minidist.parallel.compat import BufferSync
+from minidist.parallel.compat import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import FlatShard, order_by_group
 from minidist.parallel.grad_reduce import ShardedGradReduce
-from minidist.parallel.module_state import ModuleStateHooks, plain_module
-from minidist.parallel.native_args import (check_materialised, check_not_wrapped, check_reshard_after_forward,
+from minidist.parallel.shard_optimizer import ModuleStateHooks, plain_module
+from minidist.parallel.compat import (check_materialised, check_not_wrapped, check_reshard_after_forward,
                                            is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
                                            refuse_unknown)
-from minidist.parallel.scaler_agreement import FoundInfAgreement
+from minidist.parallel.sharded_grad import FoundInfAgreement
 from minidist.parallel.shard_optimizer import ShardOptimizer, parameter_groups
-from minidist.parallel.sharded_format import FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces
+from minidist.parallel.flat_shard import FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces
 from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
-from minidist.parallel.zero_join import ShardedJoin
+from minidist.parallel.join import ShardedJoin
 
 
 def wire_option(value, block: int, what: str) -> Wire | None:
@@ -78,7 +78,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     from the shards, so torch.nn.utils.clip_grad_norm_ works, and raises on any other read (see
     sharded_grad.py); `model.clip_grad_norm_` clips by the global norm directly.
     torch.amp.GradScaler works on model.optimizer as under native DDP: every rank skips an
-    overflowing step together (scaler_agreement.py). `model.optimizer.state_dict()` is this
+    overflowing step together (sharded_grad.py). `model.optimizer.state_dict()` is this
     rank's shard (loading it on another rank is refused); full_optim_state_dict() is the whole,
     loadable anywhere.
 
@@ -199,7 +199,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.grad_wire, self.param_wire = (wire_option(w, wires[2], what) for w, what in
                                            ((wires[0], "grad_wire"), (wires[1], "param_wire")))
         # The one gradient reduction every stage performs (grad_reduce.py); with a mesh, each reduced
-        # shard is then summed across the replicas (HSDP's second level, across_replicas.py).
+        # shard is then summed across the replicas (HSDP's second level, grad_reduce.py).
         self._grad_reduce = ShardedGradReduce(
             dp_size=self.dp_size, group=self.process_group, dtype=self.reduce_dtype, algorithm=collectives,
             replicate_group=mesh.replicate_group if mesh is not None and mesh.replicate > 1 else None,
@@ -251,7 +251,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     def _make_optimizer(self, optimizer) -> None:
         # Once the parameters are views into the flat shards (their compute dtype): after each synced
         # backward .grad refuses to be read (sharded_grad.py), and model.state_dict() /
-        # load_state_dict() behave as with native DDP (module_state.py).
+        # load_state_dict() behave as with native DDP (shard_optimizer.py).
         self._slot_by_id = {id(p): (shard, k) for shard in self._shards for k, p in enumerate(shard.params)}
         self._slot_of = [self._slot_by_id[id(p)] for p in self._params]
         self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage, self._owned_grad,

@@ -32,13 +32,13 @@ from torch import nn
 from minidist.buckets import BufferPool
 from minidist.comm.check import exchange
 from minidist.comm.wire import QUANT_BLOCK
-from minidist.parallel.eager import eager, mark_hooked
+from minidist.parallel.compat import eager, mark_hooked
 from minidist.parallel.flat_shard import FlatShard
-from minidist.parallel.native_args import check_reshard_after_forward, refuse_unknown
-from minidist.parallel.secondary_shard import SecondaryShards, secondary_size
+from minidist.parallel.compat import check_reshard_after_forward, refuse_unknown
+from minidist.parallel.flat_shard import SecondaryShards, secondary_size
 from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
-from minidist.parallel.zero_join import tensors_in
+from minidist.parallel.join import tensors_in
 
 
 SIZE_RULE_PARAMS = 100_000  # the default's fallback for a model without repeated blocks
@@ -126,7 +126,7 @@ class ZeroStage3(ShardedDataParallel):
     policy: the repeated blocks, see plan_units), prefetch, max_inflight (units whose gradients may
     be in reduction at once), reshard_after_forward (False: keep each unit gathered from its
     forward to its backward, as FSDP2's option; an int G: secondary_shard=G), secondary_shard (hpZ:
-    None, G ranks or "host"; the backward gathers within blocks of G ranks, secondary_shard.py)."""
+    None, G ranks or "host"; the backward gathers within blocks of G ranks, flat_shard.py)."""
 
     def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 3, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,

@@ -5,7 +5,7 @@ Strategies expose state (full_state_dict, optimizer_state_dict, the sharded dict
 engine), never files.
 
     full       model.pt (the plain state_dict) and optimizer.pt, written by rank 0
-    sharded    shard_rank%05d.pt per rank of a shard group (minidist.parallel.sharded_format),
+    sharded    shard_rank%05d.pt per rank of a shard group (minidist.parallel.flat_shard),
                written by the first replica only, and layout.pt: the state_dict's key order and
                which parameter each key holds (tied weights), for consolidation
     deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.parallel.sharded_format import assemble, full_parameters, merged_pieces
+from minidist.parallel.flat_shard import assemble, full_parameters, merged_pieces
 from minidist.train.checkpoint_safety import load_tensors, save_tensors, verify_checkpoint_files
 
 MODEL = "model.pt"

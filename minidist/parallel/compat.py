@@ -1,4 +1,7 @@
-"""The arguments GPU scripts pass to native DDP and FSDP2, as the wrappers take them.
+"""What the wrappers share with native PyTorch's ways, in one place: the native DDP and FSDP2 arguments they
+accept, communication kept out of torch.compile's graphs, and native DDP's buffer broadcast rule.
+
+The arguments GPU scripts pass to native DDP and FSDP2, as the wrappers take them.
 
     DataParallel(net, device_ids=[local_rank], output_device=local_rank, static_graph=True)
     ShardedDataParallel(net, opt, stage=3, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
@@ -17,12 +20,36 @@ ignoring it would change the result):
 - mp_policy (FSDP2): param_dtype, reduce_dtype, output_dtype, cast_forward_inputs.
 - reshard_after_forward (FSDP2): stage 3 keeps each unit gathered from its forward to its
   backward when False (FSDP2's ZeRO-2-like mode); stages 1-2 never reshard.
+
+`eager`: keep communication out of torch.compile's graphs.
+
+The wrappers' hooks wait for collectives, resize storages and register autograd
+hooks. Traced by dynamo, such a hook is either folded into the graph or dropped,
+and a dropped `Work.wait()` means a compiled forward reads a parameter before its
+all_gather has landed: a different number, silently. Every function that talks to
+the communication layer from inside a forward is therefore marked `eager`: dynamo
+breaks the graph at the call and runs it as plain Python, so `torch.compile(net)`
+before wrapping and `torch.compile(model)` of the wrapper both compute what the
+uncompiled model computes; the layers between the breaks are still compiled.
+
+Buffers (BatchNorm statistics) across ranks: native DDP's rule, shared by every strategy.
+
+Gradients keep parameters identical; buffers are updated by forward itself, from each
+rank's own batch, so they drift apart. DDP's answer, and ours: before a forward,
+broadcast the source rank's buffers — but only when the previous forward was a
+synchronising one (it recorded gradients outside no_sync), and before the very first.
+So under no_sync accumulation the broadcast happens once per optimizer step, not once
+per micro-batch, and a forward after an evaluation (no_grad) forward does not
+broadcast. This is `require_forward_param_sync` in torch/nn/parallel/distributed.py.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from typing import Callable, TypeVar
+from minidist.buckets import FlatBuffers
+
 
 # Native keyword arguments with no counterpart here, and what to do instead.
 REFUSED = {
@@ -150,3 +177,80 @@ def check_not_wrapped(module: nn.Module, wrapper: str) -> None:
 
 def mark_wrapped(module: nn.Module, wrapper: str) -> None:
     getattr(module, "_orig_mod", module)._minidist_wrapper = wrapper
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def eager(fn: F) -> F:
+    """Run `fn` (and everything it calls) outside torch.compile: a graph break at each call."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def runs_compiled_code(module: torch.nn.Module) -> bool:
+    """Whether a forward of `module` may run torch.compile'd code (now, while dynamo traces the
+    caller, or in a compiled submodule).
+
+    Per-module forward hooks cannot be relied on inside compiled code: dynamo does not guard
+    on module hooks by default (torch._dynamo.config.skip_nnmodule_hook_guards), so a graph
+    traced earlier for another instance of the same class runs without ours. A wrapper whose
+    correctness needs a hook must do that work before entering such a module instead.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+               for m in module.modules())
+
+
+_HOOKED_CLASSES: dict[type, type] = {}
+
+
+def mark_hooked(module: torch.nn.Module) -> None:
+    """Give `module` a subclass of its class (same behaviour, name prefixed "Sharded"), as
+    FSDP2's fully_shard does.
+
+    Why: a graph dynamo traced for a plain instance of the class (e.g. a reference model
+    compiled earlier in the process) carries no guard on module hooks, and would run for this
+    instance without the hooks that gather its parameters. Dynamo does guard on the module's
+    type, so a distinct class makes it trace this module afresh, hooks included.
+    """
+    cls = type(module)
+    if cls in _HOOKED_CLASSES.values():
+        return
+    if cls not in _HOOKED_CLASSES:
+        _HOOKED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {"__module__": cls.__module__})
+    module.__class__ = _HOOKED_CLASSES[cls]
+
+
+class BufferSync:
+    """Call `before_forward(sync_enabled)` at the start of every forward of the wrapper."""
+
+    def __init__(self, module: nn.Module, enabled: bool, world_size: int, src: int, group=None):
+        has_buffers = any(True for _ in module.buffers())
+        self._flat = FlatBuffers(module) if enabled and world_size > 1 and has_buffers else None
+        self._src, self._group = src, group
+        self._due = True  # the first forward synchronises
+
+    @property
+    def due(self) -> bool:
+        """Will the next forward broadcast?"""
+        return self._flat is not None and self._due
+
+    def before_forward(self, sync_enabled: bool, src: int | None = None) -> None:
+        """Broadcast if the previous forward was a synchronising one; note whether this one is.
+        `src` overrides the source rank for this broadcast (Join: the highest rank still active)."""
+        if self.due:
+            self.broadcast(src)
+        self._due = torch.is_grad_enabled() and sync_enabled
+
+    def broadcast(self, src: int | None = None) -> None:
+        """Broadcast the buffers now (a rank that joined shadows the others' broadcast with it)."""
+        if self._flat is not None:
+            self._flat.broadcast(src=self._src if src is None else src, group=self._group)
+
+    def set_due(self, due: bool) -> None:
+        """Say whether the next forward broadcasts (Join: a rank that left follows the others' notice,
+        and after Join's final sync every rank broadcasts at its next forward)."""
+        self._due = due
