@@ -3,7 +3,7 @@
     python recipes/bench_memory.py                      # 4 ranks, an 8.4M-parameter MLP, AdamW, 1 MiB buckets
     python recipes/bench_memory.py nproc=2 strategies=[zero2,zero2_backend]
 
-Each strategy runs in freshly started ranks (minidist/rss.py says how RSS is made to
+Each strategy runs in freshly started ranks (minidist/benchmarking.py says how RSS is made to
 follow live tensors and what the baseline includes). `zeroK_backend` is stage K with
 the backend's reduce_scatter / all_gather instead of our send/recv ring. Reported per
 rank 0: RSS above the baseline, the formula, the buffers in flight (gradient buckets or
@@ -15,7 +15,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from minidist.benchmarking import require_known, write_json
-from minidist.rss import launch_fresh, measure_state_rss, within_target
+from minidist.benchmarking import launch_fresh, measure_state_rss, within_target
 from minidist.train.strategies import split_variant
 from minidist.train.app import hydra_app
 

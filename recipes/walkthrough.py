@@ -62,8 +62,8 @@ def batch(cfg, step: int, rank: int):
 
 def train(name: str, cfg, rank: int, world_size: int, out_dir: Path) -> dict:
     """Train `name` for warmup + steps (timed) + 1 (profiled) steps; its final parameters and figures."""
-    from minidist.profiling.timeline_plot import timeline_plot
-    from minidist.profiling.timeline import record_step, write_chrome_trace
+    from minidist.profiling import timeline_plot
+    from minidist.profiling import record_step, write_chrome_trace
 
     torch.manual_seed(int(cfg.seed) + rank)  # different weights on every rank: the broadcast must fix that
     net = GPT(vocab_size=int(cfg.gpt.vocab_size), block_size=int(cfg.gpt.block_size), n_layer=int(cfg.gpt.n_layer),

@@ -98,7 +98,7 @@ MUTATIONS = [
              "            comm.all_reduce(total, group=self.process_group)\n            total = total.pow(1.0 / "
              "norm_type)", "            total = total.pow(1.0 / norm_type)", ("tests/test_zero.py",)),
     Mutation("links_written_through", "nothing the run writes follows a link it did not make",
-             "minidist/train/run_lock.py", "    with replacing(path) as tmp:\n        Path(tmp).write_text(text)",
+             "minidist/train/run_files.py", "    with replacing(path) as tmp:\n        Path(tmp).write_text(text)",
              "    Path(path).write_text(text)", ("tests/test_one_line_failures.py",)),
     Mutation("divergence_guard_off", "a diverged run stops and keeps the checkpoint from before it",
              "minidist/train/trainer.py", "            if ratio and self.recent_losses and loss > ratio * "

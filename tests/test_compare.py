@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from minidist.compare.report import max_state_difference, reference_for
-from minidist.compare.theory import theoretical_bytes
-from minidist.profiling.timeline import analyse, call_payload, intersect, length, merge, subtract
+from minidist.compare.report import theoretical_bytes
+from minidist.profiling import analyse, call_payload, intersect, length, merge, subtract
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "compare.py"
@@ -142,7 +142,7 @@ def test_config_errors_exit_2_with_one_line(tmp_path, override, message, capsys)
 def test_strategy_list_checks(override, message):
     from hydra import compose, initialize_config_dir
 
-    from minidist.compare.launch_compare import check_strategies
+    from minidist.compare.app import check_strategies
     from minidist.train.config import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -297,7 +297,7 @@ def test_variant_checks(override, message):
 
 def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
     from minidist.compare.report import reference_of
-    from minidist.compare.variants import base_of, compressed
+    from minidist.compare.report import base_of, compressed
     from minidist.train.strategies import spec
 
     variants = {"zero3_int8": {"of": "zero3", "grad_wire": "int8"}}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minidist.train.checkpoint import latest_checkpoint
-from minidist.train.run_log import format_summary
+from minidist.train.run_files import format_summary
 from train_cases import PYTHON, RECIPE, ROOT, tiny, tiny_overrides, train_on_rank, train_or_error
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -168,7 +168,7 @@ def test_files_the_run_rewrites_replace_a_planted_link_and_never_write_through_i
     their place (renamed over the links), what they pointed to is untouched; a late `.step_N.tmp` link
     (planted after the start-up check) stops the save on every rank, naming the link; and appending
     to a planted log refuses it."""
-    from minidist.train.run_lock import PlantedLink, append_file
+    from minidist.train.run_files import PlantedLink, append_file
 
     run_dir, outside = tmp_path / "run", tmp_path / "outside"
     for name in ("config.yaml", "summary.json"):

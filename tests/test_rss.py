@@ -1,4 +1,4 @@
-"""Resident memory, measured as the operating system sees it (minidist/rss.py).
+"""Resident memory, measured as the operating system sees it (minidist/benchmarking.py).
 
 First the measurement itself: in a process started the way every strategy is measured,
 RSS must rise by a tensor's size while it lives and fall back when it is freed.
@@ -8,7 +8,7 @@ buckets or units it keeps in flight, on every rank, at 4 ranks.
 
 import pytest
 
-from minidist.rss import allocate_and_free, launch_fresh, measure_state_rss, within_target
+from minidist.benchmarking import allocate_and_free, launch_fresh, measure_state_rss, within_target
 
 MLP_8M = [1024, 2048, 2048, 1024]
 

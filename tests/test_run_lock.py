@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from minidist.train.run_lock import RunDirectoryInUse, run_directory_lock
+from minidist.train.run_files import RunDirectoryInUse, run_directory_lock
 from train_cases import PYTHON, RECIPE, ROOT, tiny_overrides
 
 # Another run's launcher, as the lock sees it: a process holding the flock, its pid recorded

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minidist.compare.report import OPS, memory_parts  # noqa: E402
-from minidist.profiling.timeline_plot import save_figure, timeline_plot  # noqa: E402
+from minidist.profiling import save_figure, timeline_plot  # noqa: E402
 
 
 def loss_plot(results: dict, path: Path) -> Path:

@@ -1,4 +1,37 @@
-"""From a comparison's raw results to its report: rows, verdicts and the files in the run directory.
+"""Named variants of a strategy in a comparison: the same strategy with other options, side by side.
+
+    python recipes/compare.py compare.strategies=[zero3,zero3_int8,native_fsdp]         '+compare.variants={zero3_int8: {of: zero3, param_wire: int8, grad_wire: int8}}'
+
+A variant runs as one more strategy: `of` says which (its spec, its YAML's defaults), the rest
+overrides its options. Its reference is its `of` when that runs too (the uncompressed twin),
+else the reference `of` would have.
+
+A run that sends a compressed wire (grad_wire, param_wire or outer_wire set) cannot end with its
+reference's parameters: every step rounds what travels. It is checked by the loss instead:
+its final training loss within compare.loss_tolerance (relative) of its reference's.
+
+Bytes each rank should send per optimizer step, by op, under the ring model (fp32 gradients):
+each strategy's spec declares its collectives (minidist/train/strategies/spec.py), this reads them.
+
+Ψ parameters of 4 bytes, n ranks; one optimizer step without accumulation:
+
+| strategy                 | all_reduce     | reduce_scatter | all_gather         | broadcast |
+| ddp, native_ddp          | 2(n-1)/n · 4Ψ  |                |                    |           |
+| native_zero1             | 2(n-1)/n · 4Ψ  |                |                    | 4Ψ        |
+| zero1, zero2, ds_zero1/2 |                | (n-1)/n · 4Ψ   | (n-1)/n · 4Ψ       |           |
+| zero3, native_fsdp, ds_zero3 |            | (n-1)/n · 4Ψ   | 2 · (n-1)/n · 4Ψ   |           |
+
+Hybrid strategies on a mesh of R replicas x S shard ranks (n = R S): within the shard group
+as ZeRO on S ranks, plus the all_reduce of each rank's 1/S across the R replicas:
+
+| hsdp2, ddp_hierarchical  | 2(R-1)/R · 4Ψ/S | (S-1)/S · 4Ψ  | (S-1)/S · 4Ψ       |           |
+| hsdp3, native_hsdp       | 2(R-1)/R · 4Ψ/S | (S-1)/S · 4Ψ  | 2 · (S-1)/S · 4Ψ   |           |
+
+(ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it: one
+broadcast of S bytes per parameter, counted S for every rank as minidist.comm does.)
+The small all_reduce of the gradient norm for clipping is left out.
+
+From a comparison's raw results to its report: rows, verdicts and the files in the run directory.
 
     rows = build_rows(results, cfg.compare)        # one row per strategy, with its reference
     write_outputs(results, rows, run_dir)          # report.md, results.csv/json, losses.csv, TensorBoard
@@ -13,17 +46,44 @@ difference of any final parameter or buffer <= compare.tolerance.
 
 from __future__ import annotations
 
+from minidist.train.strategies import spec
 import csv
 import json
 import statistics
 from pathlib import Path
-
 import torch
-
 from minidist.benchmarking import bootstrap_median_ci
-from minidist.compare.theory import theoretical_bytes
-from minidist.compare.variants import base_of, compressed
 from minidist.train.strategies import reference_for, spec
+
+
+WIRE_OPTIONS = ("grad_wire", "param_wire", "outer_wire")
+
+
+def base_of(name: str, variants) -> str:
+    """The registered strategy `name` runs: itself, or a variant's `of`."""
+    return str(variants[name]["of"]) if name in variants else name
+
+
+def variant_options(name: str, variants) -> dict:
+    """A variant's own options (its `of` removed); {} for a plain strategy."""
+    return {k: v for k, v in dict(variants.get(name, {})).items() if k != "of"}
+
+
+def compressed(options) -> bool:
+    """Does a run with these strategy options round what it sends (a wire format set)?"""
+    return any(options.get(k) is not None for k in WIRE_OPTIONS)
+
+
+def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4,
+                      shard: int | None = None, sync_every: int = 1, options=None) -> dict[str, float]:
+    """Ring-model bytes sent per rank per optimizer step, per op ({} for one rank, or n == 1).
+    Hybrid strategies need `shard`, the size S of their shard groups ({} without it); DiLoCo's
+    outer collectives are averaged over their round of `sync_every` steps. `options`: the
+    strategy's config, where an option changes what it sends (DiLoCo's strategy.inner) or what
+    it sends it as (grad_wire, param_wire, outer_wire)."""
+    return spec(strategy).for_options(options).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes,
+                                                          sync_every=sync_every, options=options)
+
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 

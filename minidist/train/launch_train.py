@@ -26,7 +26,7 @@ from minidist.train.config import ConfigError
 from minidist.train.resilience import read_records, report_failure, who_failed_first
 from minidist.train.resilience import dumps_line, enable_flight_recorder
 from minidist.train.config import typed_keys
-from minidist.train.run_lock import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
+from minidist.train.run_files import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
 from minidist.train.stop_signal import StopSignals, exit_status
 
 
@@ -174,7 +174,7 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
     try:
-        # One run per run directory (run_lock.py): taken by the process that starts the ranks
+        # One run per run directory (run_files.py): taken by the process that starts the ranks
         # (under torchrun, rank 0's), before anything is written there.
         folders = OWNED + (("samples",) if cfg.trainer.get("log_samples") else ())
         with run_directory_lock(run_dir, folders) if rank == 0 else contextlib.nullcontext():

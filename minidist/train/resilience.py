@@ -119,7 +119,7 @@ from minidist.comm import ring
 import json
 import traceback
 from minidist.train.checkpoint import latest_checkpoint
-from minidist.train.run_lock import RunDirectoryUnwritable, append_file, write_replacing
+from minidist.train.run_files import RunDirectoryUnwritable, append_file, write_replacing
 from minidist.train.stop_signal import signal_name
 import datetime
 import sys
@@ -534,7 +534,7 @@ class PeerWatch:
 def leave_the_group(why: str, rank: int, step: int | None, run_dir: Path) -> None:
     """Say in one line that this rank leaves because a peer is gone, leave the failure record the
     launcher reads, and exit at once (the training thread may be blocked inside a collective)."""
-    from minidist.train.run_lock import RunDirectoryUnwritable, append_file
+    from minidist.train.run_files import RunDirectoryUnwritable, append_file
 
     where = f" after step {step}" if step is not None else ""
     line = f"error: rank {rank} stopped{where}: PeerLost: {why}; {restart_plan(run_dir)}"

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.profiling.timeline import settle
+from minidist.profiling import settle
 from minidist.timing import Span, clock_name, to_host
 from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, prune, read_meta,
                                        remove_partial_saves, save_checkpoint)
@@ -45,8 +45,8 @@ from minidist.train.resilience import PeerWatch
 from minidist.train.resilience import FaultPlan
 from minidist.train.resilience import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
-from minidist.train.run_log import RunLog
-from minidist.train.run_lock import append_file, replacing
+from minidist.train.run_files import RunLog
+from minidist.train.run_files import append_file, replacing
 from minidist.train.optim import optimizer_spec
 from minidist.train.device import peak_tflops
 from minidist.train.config import config_changes, describe, schedule_changed
@@ -211,8 +211,8 @@ class Trainer:
     def traced_step(self, batches) -> dict:
         """train_step under torch.profiler: rank 0 writes <run dir>/timeline_step_N.json (Chrome
         trace, every rank) and .png (what recipes/compare.py compare.timeline=true draws)."""
-        from minidist.profiling.timeline_plot import timeline_plot
-        from minidist.profiling.timeline import record_step, write_chrome_trace
+        from minidist.profiling import timeline_plot
+        from minidist.profiling import record_step, write_chrome_trace
 
         result: list[StepRecord] = []
         trace = record_step(lambda: result.append(self.train_step(batches)), self.ctx.world_size, self.model)

@@ -1,4 +1,6 @@
-"""One training step as a timeline: what each rank computes and communicates, and when.
+"""Profiling one training step, below both the trainer and the comparison tools that use it.
+
+One training step as a timeline: what each rank computes and communicates, and when.
 
     trace = record_step(lambda: replica.step(batches), world_size)   # on every rank
     trace["hidden_fraction"], trace["bytes"]                          # this rank's figures
@@ -15,6 +17,10 @@ Sources, all measured in the step itself:
 
 Communication is *hidden* where it overlaps compute on the training thread; the rest is
 exposed. Times are seconds from the start of the step on each rank's own clock.
+
+One profiled step drawn as a PNG: per rank a phase lane (forward, backward, optimizer), a
+compute lane and a communication lane (matplotlib, no display needed). Used by the trainer's
+`trainer.timeline_step`, the comparison's `compare.timeline=true` and the walkthrough.
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
-
 from minidist import comm
 from minidist.comm import ring
+from pathlib import Path
+
 
 PHASES = ("minidist.forward", "minidist.backward", "minidist.optimizer")
 ANCHOR = "minidist.anchor"
@@ -282,3 +288,53 @@ def write_chrome_trace(traces: dict[int, dict], path, title: str) -> None:
             x(name, a, b, 2)
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def _pyplot():
+    """matplotlib's pyplot without a display, imported when a plot is drawn: the trainer imports this module."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#C44E52"}
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write as PNG, close."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    _pyplot().close(fig)
+    return path
+
+
+def timeline_plot(traces: dict, title: str, path: Path) -> Path:
+    """traces: rank -> record_step's result. Lanes per rank: phases, compute (busy), communication."""
+    ranks = sorted(traces)
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(10, 0.9 + 1.1 * len(ranks)))
+    yticks, ylabels = [], []
+    for i, rank in enumerate(ranks):
+        t = traces[rank]
+        base = (len(ranks) - 1 - i) * 3
+        zero = t["start_s"]
+        for name, a, b in t["phases"]:
+            ax.broken_barh([((a - zero) * 1e3, (b - a) * 1e3)], (base + 2, 0.8), color=PHASE_COLORS.get(name, "gray"))
+        ax.broken_barh([((a - zero) * 1e3, (b - a) * 1e3) for a, b in t["compute"]], (base + 1, 0.8), color="#555555")
+        ax.broken_barh([((a - zero) * 1e3, (b - a) * 1e3) for _, a, b in t["comm"]], (base, 0.8), color="#DD8452")
+        yticks += [base + 0.4, base + 1.4, base + 2.4]
+        ylabels += [f"rank {rank} comm", f"rank {rank} compute", f"rank {rank} phase"]
+    hidden = [t["hidden_fraction"] for t in traces.values() if t["hidden_fraction"] is not None]
+    share = f", {100 * sum(hidden) / len(hidden):.0f}% of communication hidden" if hidden else ""
+    ax.set_yticks(yticks, ylabels, fontsize=8)
+    ax.set(xlabel="ms from the start of the step", title=f"{title}: one step{share}")
+    handles = [Patch(color=c, label=n) for n, c in PHASE_COLORS.items()]
+    handles += [Patch(color="#555555", label="compute (aten ops)"),
+                Patch(color="#DD8452", label="collective running")]
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, frameon=False)
+    return save_figure(fig, path)
