@@ -13,7 +13,7 @@ import importlib
 _HOME = {
     "DistContext": "minidist.dist", "RendezvousError": "minidist.dist", "get_logger": "minidist.dist",
     "init_distributed": "minidist.dist", "is_main": "minidist.dist", "print0": "minidist.dist",
-    "shutdown": "minidist.dist", "Mesh": "minidist.mesh", "init_mesh": "minidist.mesh",
+    "shutdown": "minidist.dist", "Mesh": "minidist.dist", "init_mesh": "minidist.dist",
     "DataParallel": "minidist.parallel", "DiLoCo": "minidist.parallel", "Join": "minidist.parallel",
     "ShardedDataParallel": "minidist.parallel",
 }

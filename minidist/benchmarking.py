@@ -26,7 +26,7 @@ import json
 import statistics
 from pathlib import Path
 from minidist import comm
-from minidist.memory import live_tensor_bytes
+from minidist.measure import live_tensor_bytes
 import os
 import torch
 
@@ -231,7 +231,7 @@ def allocate_and_free(mib: int) -> tuple[int, int]:
 
 def launch_fresh(fn, nproc: int, args: tuple) -> dict:
     """fn(*args) on `nproc` newly started local ranks with the mmap threshold set; rank -> result."""
-    from minidist.launch import run_local
+    from minidist.dist import run_local
 
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD

@@ -6,6 +6,27 @@
 
 The environment parsing is a pure function (`detect_launch`) so tests can feed it
 fake torchrun / SLURM environments without starting anything.
+
+A 2-D mesh of ranks for hybrid sharding: replicate across hosts x shard within a host.
+
+    mesh = minidist.init_mesh(replicate=2, shard=4)   # 8 ranks: 2 hosts of 4
+    print(mesh)
+    # Mesh(replicate=2 x shard=4): shard groups (within a host) [0-3] [4-7];
+    #   replicate groups (across hosts) [0,4] [1,5] [2,6] [3,7]; rank 5 = replica 1, shard 1
+    model = minidist.ShardedDataParallel(net, opt, stage=3, mesh=mesh)   # HSDP
+
+Rank r sits at (replica r // S, shard r % S): a shard group is S contiguous ranks, which
+is one host (or a whole number of them, or an even part of one) under torchrun and
+SLURM, whose ranks are numbered host by host. A replicate group holds the ranks with the
+same shard index, one per shard group: its traffic is what crosses hosts.
+
+Start a job's ranks: in this process under torchrun / SLURM, else local ranks started now.
+
+    results = run_ranks(main_fn, nproc=4, args=(cfg_dict,))   # rank -> result; RanksFailed names failures
+
+With plain `python`, run_ranks starts `nproc` local ranks through torch's elastic launcher
+(run_local); under torchrun or srun this process is already one rank and calls main_fn itself.
+The trainer and the comparison both launch through it.
 """
 
 from __future__ import annotations
@@ -20,9 +41,15 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping
-
 import torch
 import torch.distributed as dist
+from typing import Mapping
+import math
+import signal
+import time
+import uuid
+from typing import Callable
+
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -344,3 +371,218 @@ def get_logger(name: str = "minidist") -> logging.Logger:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
+
+
+@dataclass
+class Mesh:
+    """The two dimensions' process groups, and where this rank sits in them."""
+
+    replicate: int            # R: number of replicas (shard groups)
+    shard: int                # S: ranks one copy of the model is sharded over
+    rank: int                 # this rank in the world
+    shard_group: object       # this rank's shard group (S contiguous ranks)
+    replicate_group: object   # this rank's replicate group (R ranks, stride S)
+    shard_ranks: list         # every shard group, as lists of world ranks
+    replicate_ranks: list     # every replicate group, as lists of world ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index within its shard group (which slice of each shard it owns)."""
+        return self.rank % self.shard
+
+    @property
+    def replica(self) -> int:
+        """Which replica (shard group) this rank belongs to."""
+        return self.rank // self.shard
+
+    def __str__(self) -> str:
+        def fmt(groups):
+            return " ".join(f"[{g[0]}-{g[-1]}]" if len(g) > 2 and g == list(range(g[0], g[-1] + 1))
+                            else "[" + ",".join(map(str, g)) + "]" for g in groups)
+        return (f"Mesh(replicate={self.replicate} x shard={self.shard}): shard groups (within a host) "
+                f"{fmt(self.shard_ranks)}; replicate groups (across hosts) {fmt(self.replicate_ranks)}; "
+                f"rank {self.rank} = replica {self.replica}, shard {self.shard_rank}")
+
+
+def mesh_shape(world_size: int, replicate: int | None, shard: int | None, per_host: int | None) -> tuple[int, int]:
+    """(R, S) from what was given; errors name the cause and the fix. Pure: tested without ranks."""
+    for name, value in (("replicate", replicate), ("shard", shard)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"init_mesh: {name}={value!r} must be a positive integer")
+    if shard is None and replicate is None:
+        shard = per_host or world_size  # one shard group per host
+    if shard is None:
+        if world_size % replicate:
+            raise ValueError(f"init_mesh: the world of {world_size} ranks does not split into replicate={replicate} "
+                             f"groups: choose a replicate that divides {world_size}")
+        shard = world_size // replicate
+    if replicate is None:
+        if world_size % shard:
+            raise ValueError(f"init_mesh: the world of {world_size} ranks does not split into shard groups of "
+                             f"{shard}: choose a shard size that divides {world_size}")
+        replicate = world_size // shard
+    if replicate * shard != world_size:
+        raise ValueError(f"init_mesh: replicate={replicate} x shard={shard} = {replicate * shard} ranks, but the "
+                         f"world has {world_size}: make replicate x shard equal the world size")
+    if per_host is not None and shard % per_host and per_host % shard:
+        raise ValueError(f"init_mesh: shard groups of {shard} ranks would span hosts of {per_host} ranks unevenly "
+                         f"(some groups would straddle two hosts): choose a shard size that divides {per_host} "
+                         f"or is a multiple of it")
+    return replicate, shard
+
+
+# The meshes made in this process: (R, S, timeout) -> (the world group they were made in, the mesh).
+_MADE: dict[tuple, tuple[object, Mesh]] = {}
+
+
+def init_mesh(replicate: int | None = None, shard: int | None = None, *, timeout_s: float | None = None,
+              env: Mapping[str, str] | None = None) -> Mesh:
+    """Build the 2-D process groups over the whole world; a collective: every rank calls it alike.
+
+    Args:
+        replicate: R, the number of replicas; shard: S, the ranks one replica is sharded over.
+            Give either, both (R x S must be the world size) or neither (S = ranks per host).
+        timeout_s: the groups' collective timeout (default: the world's).
+        env: where to read the host layout (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE);
+            default os.environ. Where it is known, shard groups must not straddle hosts.
+
+    The same shape again in the same process group gives the mesh made the first time: a group
+    holds its communicators (and gloo's threads) until the process ends, and a process that trains
+    several times (a sweep under torchrun) would pile them up.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init_mesh needs a process group: call minidist.init_distributed() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    R, S = mesh_shape(world, replicate, shard, ranks_per_host(env))
+    default = dist.distributed_c10d._get_default_group()
+    made = _MADE.get((R, S, timeout_s))
+    if made is not None and made[0] is default:
+        return made[1]
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    shard_ranks = [list(range(h * S, (h + 1) * S)) for h in range(R)]
+    replicate_ranks = [list(range(s, world, S)) for s in range(S)]
+    # Every rank creates every group, in the same order (torch.distributed's rule for new_group).
+    shard_groups = [dist.new_group(ranks, **kwargs) for ranks in shard_ranks]
+    replicate_groups = [dist.new_group(ranks, **kwargs) for ranks in replicate_ranks]
+    mesh = Mesh(replicate=R, shard=S, rank=rank, shard_group=shard_groups[rank // S],
+                replicate_group=replicate_groups[rank % S], shard_ranks=shard_ranks, replicate_ranks=replicate_ranks)
+    _MADE[R, S, timeout_s] = default, mesh
+    return mesh
+
+
+def under_launcher() -> bool:
+    """True when torchrun or SLURM already started this process as one rank of a job."""
+    return "RANK" in os.environ or ("SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ)
+
+
+# The signals the launcher passes on to its ranks (then waits for them to stop): torch's own
+# list, and SIGUSR1, SLURM's warning before preemption (`--signal=USR1@N`), which would
+# otherwise kill this process and leave the ranks without a launcher.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
+    """Run fn(*args) on `nproc` local ranks (torchrun's machinery, in-process); return rank -> result.
+
+    A rank that fails makes this raise torch's ChildFailedError with that rank's traceback. A
+    signal (FORWARDED_SIGNALS) is passed on to the ranks, which get `stop_grace_s` (and 5 s more)
+    to stop before they are killed; then torch's SignalException is raised.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+        monitor_interval=0.1, start_method="spawn", signals_to_handle=FORWARDED_SIGNALS,
+        shutdown_timeout=int(math.ceil(stop_grace_s)) + 5,
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A failed rank has said what happened in one line and logged its traceback (the trainer's
+    # run_rank does): the elastic agent's copy of that traceback would only bury the line.
+    import logging
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    # A stop signal: the ranks' own line says what happened ("Received 15 death signal" would not).
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
+    return elastic_launch(config, entrypoint=fn)(*args)
+
+
+class RanksFailed(RuntimeError):
+    """Local ranks that failed (each has logged its own traceback)."""
+
+    def __init__(self, failures: dict):
+        self.ranks = sorted(failures)
+        self.exitcodes = {r: getattr(f, "exitcode", None) for r, f in failures.items()}
+        super().__init__(f"rank(s) {self.ranks} failed")
+
+    def stopped_by(self) -> int | None:
+        """The stop signal, when every failed rank ended with a stop's status (128 + SIGINT,
+        SIGTERM or SIGUSR1: stop_signal.py's), else None."""
+        signums = {code - 128 if code is not None else None for code in self.exitcodes.values()}
+        stops = {int(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+        return signums.pop() if len(signums) == 1 and signums <= stops else None
+
+
+class Stopped(RuntimeError):
+    """The launcher was signalled (Ctrl-C, SIGTERM, SIGUSR1) and its ranks have stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def run_ranks(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
+    """fn(*args) on every rank of the job; rank -> result. Under a launcher (torchrun, SLURM) this
+    process is one rank: {its rank: its result}, its exceptions its own. Otherwise `nproc` local
+    ranks start now: any that fails raises RanksFailed, and a signal to this process, passed on
+    to them, raises Stopped once they have stopped."""
+    if under_launcher():
+
+        return {launch_rank(): fn(*args)}
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return run_local(fn, nproc=nproc, args=args, stop_grace_s=stop_grace_s)
+    except ChildFailedError as e:
+        raise RanksFailed(e.failures) from None
+    except SignalException as e:
+        end_leftover_ranks(e.sigval)
+        raise Stopped(e.sigval) from None
+
+
+def end_leftover_ranks(signum: int, wait_s: float = 5.0) -> None:
+    """A second signal cut short torch's wait for the ranks to stop: pass it on too (a second
+    Ctrl-C stops them at once), give them `wait_s` to say so, then kill what is left."""
+    import multiprocessing
+
+    alive = multiprocessing.active_children()
+    for p in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signum)
+    deadline = time.monotonic() + wait_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+
+
+def run_recipe(fn: Callable, cfg, path_keys: tuple[str, ...] = ()) -> None:
+    """A recipe's entry: call fn(cfg_dict) on this rank under torchrun / SLURM, else start
+    `cfg.nproc` local ranks that each call it.
+
+    `cfg` (a Hydra DictConfig or a dict) travels to the ranks as a plain dict; the
+    `path_keys` given are made absolute first, so every rank writes to the same place.
+    """
+    from omegaconf import OmegaConf
+
+    cfg_dict = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    for key in path_keys:
+        if cfg_dict.get(key):
+            cfg_dict[key] = os.path.abspath(cfg_dict[key])
+    run_ranks(fn, nproc=int(cfg_dict["nproc"]), args=(cfg_dict,))

@@ -1,5 +1,5 @@
 """Opening a checkpoint never runs code: a tampered file of any checkpoint kind is refused, by the
-resume check and by `python -m minidist.checkpoint consolidate`, naming the file, and the code
+resume check and by `minidist checkpoint consolidate`, naming the file, and the code
 in it never runs (a marker file it would create stays absent).
 
 The tampered file is a pickle whose unpickling calls open(MARKER, "w"): with
@@ -150,7 +150,7 @@ def test_a_file_changed_in_place_at_its_size_fails_the_sha256(checkpoints, tmp_p
 
 def test_the_trainer_refuses_in_one_line_with_exit_2(checkpoints, tmp_path, capsys):
     """Through the recipe's entry (launch: the checks come before any rank starts)."""
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
 
     ckpt, marker = tampered(checkpoints, "full", "optimizer.pt", tmp_path)

@@ -1,9 +1,9 @@
-"""The trainer's per-run device settings (minidist/train/device.py), checked without a GPU:
+"""The trainer's per-run device settings (minidist/train/state.py), checked without a GPU:
 the fp32-precision flags are process settings torch keeps on any machine."""
 
 import torch
 
-from minidist.train.device import configure_device, set_fp32_precision, to_device
+from minidist.train.state import configure_device, set_fp32_precision, to_device
 
 
 def test_tf32_is_chosen_through_torchs_fp32_precision_api():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minidist.mesh import mesh_shape, ranks_per_host
+from minidist.dist import mesh_shape, ranks_per_host
 
 
 @pytest.mark.parametrize("world, replicate, shard, per_host, expected", [

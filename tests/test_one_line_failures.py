@@ -39,7 +39,7 @@ def test_a_run_directory_that_cannot_be_written_is_named_on_the_console(tmp_path
     """Its logs cannot be written (a file where the logs folder goes: unwritable for root too):
     the cause on the console, before any rank starts, not a bare "training failed on rank(s) [0]".
     (launch() in-process: the recipe's own entry, as test_train_recipe calls it.)"""
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "logs").write_text("not a folder")
@@ -150,7 +150,7 @@ def contents(folder: Path) -> dict:
 ])
 def test_a_link_planted_where_the_run_writes_is_refused_before_any_rank_starts(tmp_path, capsys, where, is_dir,
                                                                                  extra):
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
 
     run_dir, outside = tmp_path / "run", tmp_path / "outside"
@@ -228,7 +228,7 @@ def test_updates_skipped_in_a_row_stop_the_run_before_it_checkpoints_their_state
 
 
 def test_a_read_only_checkpoints_folder_is_found_before_the_first_step(tmp_path, capsys):
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
 
     folder = tmp_path / "run" / "checkpoints"
@@ -245,7 +245,7 @@ def test_a_read_only_checkpoints_folder_is_found_before_the_first_step(tmp_path,
 
 
 def test_a_data_set_smaller_than_one_global_batch_is_refused_before_anything_is_written(tmp_path, capsys):
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
 
     cfg = compose_cfg(tiny_overrides("trainer.max_steps=2", "data.max_bytes=20000", "trainer.grad_accum=100"))
@@ -329,7 +329,7 @@ def test_a_sweep_checks_every_job_before_the_first_launches(tmp_path, capsys):
 def test_a_sweep_runs_every_job_after_one_fails(tmp_path, capsys, monkeypatch):
     """Each job's launch (its ranks replaced by a stand-in that fails job 0, as a run that stops with
     an error does): the next jobs still run, and a tally ends the sweep with a non-zero status."""
-    import minidist.train.launch_train as launch_train
+    import minidist.train.app as launch_train
 
     launched = []
 

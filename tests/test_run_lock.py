@@ -43,7 +43,7 @@ def test_a_held_directory_is_refused_naming_the_holder(held):
 
 def test_a_second_training_run_stops_at_once_in_one_line(held, capsys):
     """Through the recipe's entry (launch), which takes the lock before any rank starts."""
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from train_cases import compose_cfg
 
     run_dir, proc = held

@@ -141,7 +141,7 @@ def run_rank_signalled(cfg_dict: dict, run_dir: str, signalled_rank: int) -> tup
 
     import torch.distributed as dist
 
-    from minidist.train.launch_train import run_rank
+    from minidist.train.app import run_rank
 
     if dist.get_rank() == signalled_rank:
         threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()

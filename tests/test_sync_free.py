@@ -1,7 +1,7 @@
 """A training step reads nothing from the device between log steps (issue 18, items 2 and 3).
 
 On CUDA every host read of a device value (`.item()`, `bool(t)`, `float(t)`) waits for the GPU
-and serialises the step. The trainer reads device values only through `minidist.timing.to_host`,
+and serialises the step. The trainer reads device values only through `minidist.measure.to_host`,
 and only at log / eval / checkpoint steps; `HostReads` counts the reads, so these CPU tests show
 that the steps in between make none. Timing is device-true (CUDA events) behind `Span`, tested
 here on its host-clock side; tests/test_gpu.py runs the same step under
@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from minidist.timing import HostReads, Span, clock_name, to_host
+from minidist.measure import HostReads, Span, clock_name, to_host
 from minidist.train.strategies import step_unless_nonfinite
 from train_cases import tiny
 

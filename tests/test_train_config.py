@@ -5,7 +5,7 @@ import torch
 
 from minidist.train.config_check import validate
 from minidist.train.config import ConfigError
-from minidist.train.launch_train import local_nproc
+from minidist.train.app import local_nproc
 from train_cases import CONFIGS, compose_cfg, tiny_overrides
 
 CASES = [
@@ -109,7 +109,7 @@ def test_peak_tflops_auto_comes_from_the_device(monkeypatch):
     precision, none for an unknown GPU (MFU is then left out); a number is taken as given."""
     import torch
 
-    from minidist.train.device import CPU_TFLOPS, peak_tflops
+    from minidist.train.state import CPU_TFLOPS, peak_tflops
     assert peak_tflops("auto", torch.device("cpu"), "fp32") == CPU_TFLOPS
     assert peak_tflops(12.5, torch.device("cpu"), "bf16") == 12.5
     for name, precision, expected in (("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA H200", "fp32", 67.0),

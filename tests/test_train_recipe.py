@@ -125,7 +125,7 @@ def test_command_line_errors_are_one_line_and_write_nothing(ranks, tmp_path, cap
 
     from minidist.train.config_check import validate
     from minidist.train.config import ConfigError
-    from minidist.train.launch_train import launch
+    from minidist.train.app import launch
     from minidist.train.checkpoint_safety import write_manifest
     from train_cases import compose_cfg
 
@@ -242,11 +242,11 @@ def test_consolidate_command(tmp_path):
     assert train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", strategy="zero2").returncode == 0
     ckpt = latest_checkpoint(run_dir)
     out_file = tmp_path / "full.pt"
-    out = run([PYTHON, "-m", "minidist.checkpoint", "consolidate", str(ckpt), str(out_file)])
+    out = run([PYTHON, "-m", "minidist.train.checkpoint", "consolidate", str(ckpt), str(out_file)])
     assert out.returncode == 0, out.stderr
     state = torch.load(out_file)
     assert "tok_emb.weight" in state and torch.equal(state["tok_emb.weight"], state["head.weight"])  # tied
-    again = run([PYTHON, "-m", "minidist.checkpoint", "consolidate", str(ckpt), str(out_file)])
+    again = run([PYTHON, "-m", "minidist.train.checkpoint", "consolidate", str(ckpt), str(out_file)])
     assert again.returncode == 2 and "exists" in again.stderr  # never overwrites
 
     # trainer.resume=PATH continues that checkpoint in a new run directory.

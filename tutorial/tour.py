@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.launch import run_recipe
+from minidist.dist import run_recipe
 
 
 # --------------------------------------------------------------------------- presentation

@@ -36,7 +36,7 @@ from minidist.comm import ring
 from minidist.comm import wire as _wire
 from minidist.comm.wire import Wire  # noqa: F401  (public API)
 from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
-from minidist.timing import Span
+from minidist.measure import Span
 
 ReduceOp = dist.ReduceOp
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from omegaconf import OmegaConf
 from minidist.dist import launch_rank
-from minidist.launch import RanksFailed, run_ranks
+from minidist.dist import RanksFailed, run_ranks
 from minidist.train.config import ConfigError
 from minidist.compare.report import base_of
 from minidist.train.strategies import names as strategy_names
@@ -126,7 +126,7 @@ def _rank_main(cfg_dict: dict, run_dir: str, command: str) -> int | None:
 
 
 def launch(cfg, run_dir: Path, command: str) -> int:
-    from minidist.train.launch_train import world_size_for
+    from minidist.train.app import world_size_for
 
     run_dir = Path(run_dir).absolute()
     try:

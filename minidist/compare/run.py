@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 import minidist
 from minidist.benchmarking import PeakSampler, rotated, slowest
 from minidist.profiling import record_step
-from minidist.memory import live_tensor_bytes
+from minidist.measure import live_tensor_bytes
 from minidist.train.config_check import grad_accum_steps
 from minidist.train.state import build_data
 from minidist.train.models import count_parameters

@@ -41,7 +41,7 @@ from torch import nn
 
 from minidist import comm
 from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
-from minidist.memory import measure, optimizer_tensors
+from minidist.measure import measure, optimizer_tensors
 from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.compat import BufferSync
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire

@@ -19,7 +19,7 @@ start). Before a checkpoint is used (resume, consolidate) it is checked against 
 A write that fails (a full disk, ...) stops the run with one line saying what the OS said and
 how much space is needed and free; the previous checkpoint is untouched.
 
-    python -m minidist.checkpoint consolidate CKPT_DIR OUT.pt   # a plain state_dict, any strategy
+    minidist checkpoint consolidate CKPT_DIR OUT.pt   # or python -m minidist.train.checkpoint: a plain state_dict
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def describe(ckpt: Path) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m minidist.checkpoint") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m minidist.train.checkpoint") -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog=prog, description="Tools for minidist trainer checkpoints.")
@@ -413,3 +413,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minidist.checkpoi
     n = sum(v.numel() for v in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {n:,} values (strategy {read_meta(args.ckpt_dir)['strategy']})")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

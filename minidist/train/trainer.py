@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 import minidist
 from minidist import comm
 from minidist.profiling import settle
-from minidist.timing import Span, clock_name, to_host
+from minidist.measure import Span, clock_name, to_host
 from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, prune, read_meta,
                                        remove_partial_saves, save_checkpoint)
 from minidist.train.async_checkpoint import AsyncCheckpoints
@@ -39,7 +39,7 @@ from minidist.train.checkpoint_layouts import layout_for
 from minidist.train.resilience import HostTraffic, cross_host_sent
 from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
-from minidist.train.device import configure_device, to_device
+from minidist.train.state import configure_device, to_device
 from minidist.train.resilience import write_record
 from minidist.train.resilience import PeerWatch
 from minidist.train.resilience import FaultPlan
@@ -48,7 +48,7 @@ from minidist.train.models import count_parameters, gpt_flops_per_token
 from minidist.train.run_files import RunLog
 from minidist.train.run_files import append_file, replacing
 from minidist.train.optim import optimizer_spec
-from minidist.train.device import peak_tflops
+from minidist.train.state import peak_tflops
 from minidist.train.config import config_changes, describe, schedule_changed
 from minidist.train.state import build_data, build_training_state, reseed_per_rank
 from minidist.train.stop_signal import StopSignals, signal_name
@@ -187,7 +187,7 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns this rank's measurements.
 
         Nothing in it waits for the device: the step and the communication are timed on the
-        device's clock (minidist.timing: CUDA events on CUDA), and the loss, the gradient norm and
+        device's clock (minidist.measure: CUDA events on CUDA), and the loss, the gradient norm and
         the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_progress`)."""
         span = Span(self.ctx.device).start()
         self.faults.maybe_stall(self.ctx.rank, self.step + 1)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.memory import measure, optimizer_tensors
-from minidist.timing import to_host
+from minidist.measure import measure, optimizer_tensors
+from minidist.measure import to_host
 from minidist.train.config import ConfigError
 from minidist.train.strategies.spec import StrategySpec
 
@@ -210,7 +210,7 @@ def mesh_dims(cfg, world_size: int) -> tuple[int, int]:
     """(replicas R, shard group size S) for strategy.shard_size (null: the ranks of one host, where
     the launcher says so); a ConfigError naming the key when it does not split the world."""
     from minidist.dist import ranks_per_host
-    from minidist.mesh import mesh_shape
+    from minidist.dist import mesh_shape
 
     shard = cfg.get("shard_size")
     if shard is not None and (not isinstance(shard, int) or isinstance(shard, bool)):

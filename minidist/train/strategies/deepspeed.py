@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from minidist.memory import measure
+from minidist.measure import measure
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import register

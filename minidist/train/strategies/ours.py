@@ -10,20 +10,42 @@ ShardedDataParallel (ZeRO stages 1-3, flat or hybrid on a 2-D mesh).
 
 "full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded": every rank
 writes its shard with the offsets that let any world size load it.
+
+DiLoCo and streaming DiLoCo as strategies: workers that synchronise every H steps, not every step.
+
+| name             | what                                                                  | checkpoint |
+| diloco           | the run's optimizer inner on each worker; every sync_every steps the   | workers    |
+|                  | pseudo-gradients averaged across workers into an outer Nesterov SGD    |            |
+| diloco_streaming | the same, the model in `fragments` synced at staggered steps, each     | workers    |
+|                  | fragment's all_reduce behind the next `sync_delay` inner steps         |            |
+
+A worker is one rank (strategy.inner=null) or the ranks of one host training as one replica
+every step (strategy.shard_size ranks, null: one host): minidist's DataParallel among them
+(strategy.inner=ddp), or ZeRO (strategy.inner=zero1 | zero2 | zero3: ShardedDataParallel over the
+worker's ranks, so a worker holds 1/S of the model state per rank, and the outer loop works on
+each rank's master shards). That is the realistic setup, fast links within a host, slow ones
+between hosts. The outer step's all_reduce runs across the workers (one rank of each, 1/S of the
+model per rank), so only it crosses hosts. minidist.parallel.diloco holds the algorithm.
+
+"workers" checkpoints (checkpoint_layouts.Workers): each worker its own weights and inner
+optimizer state (gathered whole from a ZeRO worker's shards: one form whatever the inner), and
+the outer state once; they resume exactly, also under another inner strategy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-
 import torch
-
 from minidist.comm.wire import FORMATS
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import register
 from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
+import dataclasses
+from minidist.measure import measure
+from minidist.parallel.diloco import DiLoCo
+from minidist.train.strategies.spec import ZERO3, ZERO12, Collective, StrategySpec
 
 
 class Single(Strategy):
@@ -187,3 +209,200 @@ for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
                           collectives=in_shard_groups(_collectives),
                           options=ZERO_OPTIONS[_stage] + ("shard_size",), choices=ZERO_CHOICES,
                           flat_optimizer_shards=True))
+
+
+ZERO_INNER = {"zero1": 1, "zero2": 2, "zero3": 3}  # strategy.inner -> its ZeRO stage within the worker
+INNER = (None, "ddp", *ZERO_INNER)  # what synchronises a worker's ranks every step
+
+
+class DiLoCoStrategy(Strategy):
+    """A worker's inner data parallelism (none, or minidist.DataParallel within the host) and the
+    outer loop (minidist.DiLoCo) across the workers."""
+
+    def _wrap(self, net, optim_cls, optim_kwargs):
+        import torch.distributed as dist
+
+        import minidist
+
+        c = self.cfg
+        if c.inner is None and c.get("shard_size") not in (None, 1):
+            raise ConfigError(f"strategy.shard_size={c.shard_size} with strategy.inner=null: each rank is a worker; "
+                              "set strategy.inner=ddp (or zero1-3) for workers of several ranks")
+        self.mesh = minidist.init_mesh(replicate=dist.get_world_size(), shard=1) if c.inner is None \
+            else build_mesh(c)
+        self.shard_size = self.mesh.shard
+        model, optimizer = self._inner(net, optim_cls, optim_kwargs)
+        try:
+            self.outer = DiLoCo(net.parameters(), sync_every=c.sync_every, outer_lr=float(c.outer_lr),
+                                outer_momentum=float(c.outer_momentum), fragments=c.get("fragments", 1),
+                                sync_delay=c.get("sync_delay", 0), mixing=float(c.get("mixing", 0.0)),
+                                wire=self._outer_wire(), across_group=self.mesh.replicate_group,
+                                total_steps=self.total_steps, **self._placement(model))
+        except ValueError as e:  # the schedule's checks name the option: say it is the strategy's
+            raise ConfigError(f"strategy.{e}") from None
+        return model, optimizer
+
+    def _inner(self, net, optim_cls, optim_kwargs):
+        """The worker's model and inner optimizer: net itself (inner=null) or DataParallel over the
+        worker's ranks (inner=ddp), and the run's optimizer over its parameters."""
+        from minidist import DataParallel
+
+        c = self.cfg
+        model = net if c.inner is None else DataParallel(
+            net, process_group=self.mesh.shard_group, bucket_cap_mb=float(c.bucket_cap_mb),
+            grad_wire=c.grad_wire, quant_block=int(c.quant_block))
+        return model, optim_cls(net.parameters(), **optim_kwargs)
+
+    def _placement(self, model) -> dict:
+        """How DiLoCo finds a worker's ranks: each holds the whole parameters."""
+        return {"worker_group": self.mesh.shard_group if self.mesh.shard > 1 else None}
+
+    def _outer_wire(self):
+        from minidist.comm.wire import Wire
+
+        wire = self.cfg.outer_wire
+        return None if wire is None else Wire(str(wire), block=int(self.cfg.quant_block))
+
+    _restarted = False  # load_portable: the weights came from another strategy's checkpoint
+
+    @property
+    def checkpoint_shards(self) -> int:
+        """A checkpoint's worker files: one per worker."""
+        return self.mesh.replicate
+
+    @property
+    def worker(self) -> int:
+        """Which worker this rank belongs to."""
+        return self.mesh.replica
+
+    @property
+    def worker_rank(self) -> int:
+        """This rank's place within its worker."""
+        return self.mesh.shard_rank
+
+    def no_sync(self):
+        return contextlib.nullcontext() if self.cfg.inner is None else self.model.no_sync()
+
+    # Each worker keeps its own loss scale: its gradients are its own, so no agreement across
+    # workers (within one, DDP made the gradients equal already).
+    agrees_on_overflow = False
+
+    def optimizer_step(self, max_norm: float, scaler):
+        """The inner step (unscale, clip by the worker's gradient norm, step, zero_grad), then the
+        outer loop's turn."""
+        norm = super().optimizer_step(max_norm, scaler)
+        self.outer.after_inner_step()
+        return norm
+
+    def load_portable(self, model_state: dict, optim_state: dict) -> None:
+        """Another strategy's checkpoint: its weights and optimizer state on every worker, and a
+        new round from those weights (resumed_at sets the step)."""
+        super().load_portable(model_state, optim_state)
+        self._restarted = True
+
+    def resumed_at(self, step: int) -> None:
+        if self._restarted:
+            self.outer.restart(step)
+        elif self.outer.step != step:
+            raise RuntimeError(f"the checkpoint's outer state is at step {self.outer.step}, its meta at {step}")
+
+    # -- what checkpoint_layouts.Workers saves and loads
+    def worker_state(self) -> dict:
+        """This worker's weights and inner optimizer state, on its first rank ({} elsewhere)."""
+        if self.worker_rank != 0:
+            return {}
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_worker_state(self, state: dict) -> None:
+        """What worker_state saved, into this worker (each rank of a ZeRO worker keeps its slices)."""
+        self.load_full_state_dict(state["model"])
+        self.load_optimizer_state_dict(state["optimizer"])
+
+    def memory_report(self):
+        return with_outer_state(super().memory_report(), self.outer)
+
+
+class DiLoCoOverZero(ShardedModelState, DiLoCoStrategy):
+    """DiLoCo whose workers run ZeRO within themselves (strategy.inner=zero1 | zero2 | zero3): each
+    rank holds 1/S of the worker's model state, and the outer loop works on its master shards."""
+
+    def _inner(self, net, optim_cls, optim_kwargs):
+        """ShardedDataParallel at the inner stage over the worker's ranks, with the run's optimizer."""
+        from minidist import ShardedDataParallel
+
+        c, stage = self.cfg, ZERO_INNER[self.cfg.inner]
+        kwargs = {"grad_wire": c.grad_wire, "quant_block": int(c.quant_block)}
+        if stage < 3:
+            kwargs["bucket_cap_mb"] = float(c.bucket_cap_mb)
+        else:  # as strategy=zero3: units by size, gathered in bf16 and reduced in fp32 under bf16
+            kwargs["min_unit_params"] = c.get("min_unit_params")
+            if self.compute_dtype is not None:
+                kwargs.update(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=stage,
+                                    process_group=self.mesh.shard_group, **kwargs)
+        return model, model.optimizer
+
+    def _placement(self, model) -> dict:
+        """DiLoCo works on each rank's master shards."""
+        return {"sharded_by": model}
+
+    def worker_state(self) -> dict:
+        """As DiLoCoStrategy's, gathered from the worker's shards (a collective within the worker):
+        the same files whatever the inner strategy."""
+        model, optim = self.full_state_dict(), self.optimizer_state_dict()
+        if self.worker_rank != 0:
+            return {}
+        return {"model": {k: v.detach().cpu() for k, v in model.items()}, "optimizer": optim}
+
+    def memory_report(self):
+        return with_outer_state(self.model.memory_report(), self.outer)
+
+
+def with_outer_state(report: dict, outer) -> dict:
+    """A memory report with what the outer loop adds (`outer_state`, measured) in its total."""
+    extra = measure({"outer_state": outer.memory_tensors()})["outer_state"]
+    return {**{k: v for k, v in report.items() if k != "total"}, "outer_state": extra,
+            "total": report["total"] + extra}
+
+
+def diloco_strategy(cfg, ctx, compute_dtype=None) -> DiLoCoStrategy:
+    """The DiLoCo strategy for strategy.inner: ZeRO within the worker, or whole parameters."""
+    cls = DiLoCoOverZero if cfg.get("inner") in ZERO_INNER else DiLoCoStrategy
+    return cls(cfg, ctx, compute_dtype)
+
+
+# The outer all_reduce: each rank's 1/S of the model across the workers, then the worker's ranks
+# gather the updated slices; both once per round of sync_every steps. The inner DDP's all_reduce
+# within a worker runs every step (nothing at S = 1, one rank per worker).
+OUTER_ALL_REDUCE = Collective("all_reduce", group="replicas", payload="shard", per_round=True, wire="outer_wire")
+LOCAL_SGD = (Collective("all_reduce", group="shard", wire="grad_wire"), OUTER_ALL_REDUCE,
+             Collective("all_gather", group="shard", per_round=True))
+
+
+def with_inner(s: StrategySpec, options) -> StrategySpec:
+    """DiLoCo's spec under strategy.inner: with ZeRO within the worker, the stage's collectives in
+    the worker every step and its model state sharded over the worker's S ranks; once a round the
+    outer all_reduce, and at stages 1-2 the gather of the written master shards (stage 3's next
+    forward gathers them anyway)."""
+    stage = ZERO_INNER.get(options.get("inner"))
+    if stage is None:
+        return s
+    inner = tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire) for c in (ZERO3 if stage == 3 else ZERO12))
+    regather = () if stage == 3 else (Collective("all_gather", group="shard", per_round=True),)
+    return dataclasses.replace(s, zero_stage=stage, messages="units" if stage == 3 else "buckets",
+                               collectives=inner + (OUTER_ALL_REDUCE,) + regather, flat_optimizer_shards=True)
+
+
+OPTIONS = ("inner", "shard_size", "sync_every", "outer_lr", "outer_momentum", "outer_wire", "quant_block",
+           "bucket_cap_mb", "min_unit_params", "grad_wire")
+CHOICES = {"inner": INNER, "outer_wire": WIRES, "grad_wire": WIRES}
+for _name, _extra, _summary in (
+        ("diloco", (), "DiLoCo: the run's optimizer inner on each worker, an outer Nesterov SGD on the "
+                       "pseudo-gradients averaged every sync_every steps"),
+        ("diloco_streaming", ("fragments", "sync_delay", "mixing"),
+         "streaming DiLoCo: DiLoCo with the model in fragments synced at staggered steps, each all_reduce "
+         "overlapped with the next sync_delay inner steps")):
+    register(StrategySpec(_name, "minidist", diloco_strategy, _summary, checkpoint="workers", reference="ddp",
+                          hybrid=True, collectives=LOCAL_SGD, options=OPTIONS + _extra, choices=CHOICES,
+                          checked_by="loss", outer_copies=2, configured=with_inner))

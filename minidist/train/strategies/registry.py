@@ -17,12 +17,11 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from minidist.train.config import config_dir
-from minidist.train.config import ConfigError
+from minidist.train.config import ConfigError, config_dir
 from minidist.train.strategies.spec import StrategySpec
 
 FAMILIES = ("minidist.train.strategies.ours", "minidist.train.strategies.native",
-            "minidist.train.strategies.deepspeed", "minidist.train.strategies.local_sgd")
+            "minidist.train.strategies.deepspeed")
 # A minidist strategy whose own reference is not in a comparison is checked against this one
 # when it is there: every strategy trains the same model on the same data, so all should agree.
 STAND_IN_REFERENCE = "native_ddp"
