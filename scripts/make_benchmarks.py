@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from minidist.benchmarking import variant_spec  # noqa: E402
-from minidist.compare.plots import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
+from minidist.compare.report import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
 from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))

@@ -120,7 +120,7 @@ def render() -> str:
         "",
         f"![step 3](img/{image('3 overlap')})",
         "",
-        "What `minidist.DataParallel` adds to step 3 (`minidist/parallel/ddp.py`, `bucketed_backward.py`): the "
+        "What `minidist.DataParallel` adds to step 3 (`minidist/parallel/ddp.py`, `buckets.py`): the "
         "bucket order rebuilt from the order gradients really arrived in the first backward, `no_sync()` for "
         "gradient accumulation, parameters a step does not use, communication hooks (fp16/bf16 compression, "
         "PowerSGD, hierarchical), broadcast buffers, gradients living inside the buckets.",

@@ -70,7 +70,7 @@ MUTATIONS = [
              "minidist/parallel/ddp.py", "        if init_sync:\n            replicate_from_source(",
              "        if False:\n            replicate_from_source(", ("tests/test_ddp.py",)),
     Mutation("buckets_launched_in_ready_order", "buckets launch in index order on every rank (collectives line up)",
-             "minidist/parallel/bucketed_backward.py",
+             "minidist/parallel/buckets.py",
              "        while self.launched < len(self.buckets) and self.buckets[self.launched].pending == 0:\n"
              "            bucket = self.buckets[self.launched]\n",
              "        for bucket in [b for b in self.buckets if b.pending == 0 and b.handle is None]:\n",
@@ -80,7 +80,7 @@ MUTATIONS = [
              "            comm.all_reduce(found_inf, op=comm.ReduceOp.MAX, group=ours[0].group)", "            pass",
              ("tests/test_porting.py",)),
     Mutation("require_backward_grad_sync_ignored", "model.require_backward_grad_sync = ... switches synchronisation",
-             "minidist/parallel/bucketed_backward.py", "        self._sync_enabled = bool(value)\n", "        pass\n",
+             "minidist/parallel/buckets.py", "        self._sync_enabled = bool(value)\n", "        pass\n",
              ("tests/test_client_scripts.py",)),
     Mutation("checkpoint_committed_before_every_write", "a background checkpoint commits once every rank's write "
              "is done", "minidist/train/async_checkpoint.py", "            if comm.max_over_ranks(busy) > 0:",

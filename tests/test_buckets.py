@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minidist.buckets import FlatBuffers, flatten, plan_buckets, split_by_size, unflatten_into
+from minidist.parallel.buckets import FlatBuffers, flatten, plan_buckets, split_by_size, unflatten_into
 
 KB = 1024
 
@@ -72,7 +72,7 @@ def test_flat_buffers_track_in_place_updates_and_reassignment():
 
 
 def test_buffer_pool_reuses_buffers_for_any_smaller_request():
-    from minidist.buckets import BufferPool
+    from minidist.parallel.buckets import BufferPool
     pool = BufferPool(capacity=100)
     a = pool.get(40, torch.float32, torch.device("cpu"))
     assert a.numel() == 40

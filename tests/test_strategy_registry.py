@@ -262,7 +262,7 @@ def test_a_strategy_added_to_a_family_reaches_the_cost_model_the_documents_and_t
     import costmodel
     from minidist.train.strategies import registry
     from minidist.train.strategies.ours import ZERO_OPTIONS, OursZero
-    from minidist.train.strategies.spec import ZERO12, in_shard_groups
+    from minidist.train.strategies.registry import ZERO12, in_shard_groups
     from test_benchmarks_doc import SCALE, SCALE_DOC, load_script
 
     assert "naive_example" not in costmodel.strategies()

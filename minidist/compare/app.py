@@ -76,7 +76,7 @@ def validate_each(cfg, world_size: int, run_dir: Path) -> None:
 
 def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
     """Rank 0's (or the launching process's) last part: every output, the console table, the status."""
-    from minidist.compare.plots import all_plots
+    from minidist.compare.report import all_plots
     from minidist.compare.report import (build_rows, console_table, environment_info, regressions, targets_lines,
                                          write_outputs)
     from minidist.profiling import write_chrome_trace

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 from minidist import comm
-from minidist.buckets import Bucket
+from minidist.parallel.buckets import Bucket
 from minidist.parallel.grad_reduce import ReplicaReduce
 
 

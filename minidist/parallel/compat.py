@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from typing import Callable, TypeVar
-from minidist.buckets import FlatBuffers
+from minidist.parallel.buckets import FlatBuffers
 
 
 # Native keyword arguments with no counterpart here, and what to do instead.

@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
+from minidist.parallel.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
 from minidist.measure import measure, optimizer_tensors
-from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch
+from minidist.parallel.buckets import BucketedBackward, GradientSyncSwitch
 from minidist.parallel.compat import BufferSync
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, WireAllReduce, allreduce_hook

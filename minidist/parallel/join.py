@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from minidist import comm
-from minidist.buckets import broadcast_coalesced
+from minidist.parallel.buckets import broadcast_coalesced
 import contextlib
 
 

@@ -42,9 +42,9 @@ from torch.utils._pytree import tree_map_only
 
 from minidist import comm
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
-from minidist.buckets import MiB, Bucket, BufferPool, plan_buckets
+from minidist.parallel.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.measure import measure, optimizer_tensors
-from minidist.parallel.bucketed_backward import BucketedBackward, GradientSyncSwitch, used_on_any_rank
+from minidist.parallel.buckets import BucketedBackward, GradientSyncSwitch, used_on_any_rank
 from minidist.parallel.compat import BufferSync
 from minidist.parallel.compat import eager, runs_compiled_code
 from minidist.parallel.ddp import replicate_from_source

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.buckets import BufferPool
+from minidist.parallel.buckets import BufferPool
 from minidist.comm.check import exchange
 from minidist.comm.wire import QUANT_BLOCK
 from minidist.parallel.compat import eager, mark_hooked

@@ -26,7 +26,7 @@ mesh run at once, sharing each host's network: (inter_lat, inter_bw / G). Each s
 paid per message, so a step split into k buckets or units pays k latencies per step.
 
 Per optimizer step (Psi parameters, `comm_bytes` each on the wire, bf16 by default), each
-strategy priced by the collectives its spec declares (minidist/train/strategies/spec.py):
+strategy priced by the collectives its spec declares (minidist/train/strategies/registry.py):
 
     ddp               all_reduce(Psi) over N                               (buckets)
     ddp_hierarchical  reduce_scatter(Psi) in host, all_reduce(Psi/G) across hosts, all_gather in host

@@ -1,5 +1,5 @@
 """Every data-parallel strategy behind one interface (base.py), each declared once by a spec
-(spec.py) in a registry (registry.py): minidist's own (ours.py), native PyTorch's (native.py)
+in the registry (registry.py): minidist's own (ours.py), native PyTorch's (native.py)
 and DeepSpeed's (deepspeed.py, optional).
 
     from minidist.train.strategies import build_strategy, spec, names
@@ -12,9 +12,9 @@ defaults in configs/strategy/NAME.yaml (docs/trainer.md: "Adding a strategy").
 
 from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
                                             step_unless_nonfinite)
-from minidist.train.strategies.registry import (build_strategy, check_options, names, reference_for, register,
-                                                spec, specs, split_variant, strategy_options)
-from minidist.train.strategies.spec import Collective, StrategySpec
+from minidist.train.strategies.registry import (Collective, StrategySpec, build_strategy, check_options, names,
+                                                reference_for, register, spec, specs, split_variant,
+                                                strategy_options)
 
 __all__ = ["Collective", "Strategy", "StrategySpec", "agree_on_overflow", "build_mesh", "build_strategy",
            "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "spec",

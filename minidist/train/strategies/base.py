@@ -11,7 +11,7 @@ helpers the strategy families (ours.py, native.py, deepspeed.py) share.
     strategy.optimizer_state_dict()               # rank 0: the optimizer's (what checkpoint_layouts.py saves)
     strategy.memory_report()                      # bytes on this rank, from live storages
 
-A family module needs only this one (and spec.py), so the families never import each other.
+A family module needs only this one (and registry.py), so the families never import each other.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from minidist.measure import measure, optimizer_tensors
 from minidist.measure import to_host
 from minidist.train.config import ConfigError
-from minidist.train.strategies.spec import StrategySpec
+from minidist.train.strategies.registry import StrategySpec
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from minidist.measure import measure
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import ZERO3, ZERO12, StrategySpec
+from minidist.train.strategies.registry import ZERO3, ZERO12, StrategySpec
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
 
@@ -165,7 +165,7 @@ class DeepSpeedZero(Strategy):
         return measure({"parameters": params, "gradients": grads, "optimizer_state": state + masters})
 
 
-# -- the specs (spec.py says how they are read). DeepSpeed calls torch.distributed itself
+# -- the specs (registry.py says how they are read). DeepSpeed calls torch.distributed itself
 # (traces_comm=False); its fp16 loss scaling is its own config, which this adapter does not wire.
 # Its ZeRO partitions flat buffers as ours does, so its optimizer steps slices across parameters.
 for _stage in (1, 2, 3):

@@ -18,7 +18,7 @@ import torch
 
 from minidist.train.strategies.base import Strategy, mesh_dims
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, Collective, StrategySpec, in_shard_groups
+from minidist.train.strategies.registry import ALL_REDUCE, ZERO3, Collective, StrategySpec, in_shard_groups
 
 
 class NativeDDP(Strategy):
@@ -165,7 +165,7 @@ class NativeHSDP(NativeFSDP):
         self.op_group_sizes = self.spec.op_group_sizes(self.ctx.world_size, S)  # its collectives' groups
         return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
 
-# -- the specs (spec.py says how they are read)
+# -- the specs (registry.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "overlap",
                "comm_hook")
 # torch's own hooks of the names ours has; torch's DDP always overlaps (only ours reduces after backward).

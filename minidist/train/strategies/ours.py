@@ -41,11 +41,11 @@ from minidist.comm.wire import FORMATS
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import register
-from minidist.train.strategies.spec import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
+from minidist.train.strategies.registry import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
 import dataclasses
 from minidist.measure import measure
 from minidist.parallel.diloco import DiLoCo
-from minidist.train.strategies.spec import ZERO3, ZERO12, Collective, StrategySpec
+from minidist.train.strategies.registry import ZERO3, ZERO12, Collective, StrategySpec
 
 
 class Single(Strategy):
@@ -172,7 +172,7 @@ class OursZero(ShardedModelState, Strategy):
         return self.model.mesh is None or self.model.mesh.replica == 0
 
 
-# -- the specs: what each strategy is, sends and holds (spec.py says how they are read)
+# -- the specs: what each strategy is, sends and holds (registry.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers",
                "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "grad_wire", "quant_block")
 WIRES = (None, *FORMATS)  # what a wire option takes (minidist.comm.wire)

@@ -1,4 +1,28 @@
-"""Every strategy by name: register a spec once, and every part of minidist finds it.
+"""What a strategy is, declared once: the facts the rest of minidist used to guess from its name.
+
+    spec = StrategySpec(name="zero2", kind="minidist", factory=..., checkpoint="sharded",
+                        reference="ds_zero2", zero_stage=2, options=(...),
+                        collectives=(Collective("reduce_scatter"), Collective("all_gather")))
+    spec.wire_bytes(psi=1000, n=4)            # ring-model bytes each rank sends per step, by op
+    spec.model_state_bytes(psi=1000, n=4)     # parameters + gradients + Adam state per rank
+
+The theory is computed from two declarations, so that the comparison's expected bytes, the RSS
+bound and the cost model (costmodel.py) all price a strategy the same way:
+
+- `collectives`: what one optimizer step sends. Each entry is an op over a group of ranks
+  (the world; the shard group of S ranks; the replicas, R = n / S, one rank of each shard
+  group) carrying the whole model or one shard group's 1/S of it, `count` times; a `per_round`
+  one once every strategy.sync_every steps (DiLoCo's outer step), so 1/H of it a step; its
+  `wire`, the strategy option that says what it travels as (grad_wire, param_wire, outer_wire:
+  minidist.comm.wire's formats), priced by the bytes that format sends an element.
+- `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
+  1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
+
+Ring model (minidist.comm.ring_bytes_sent, what the CommTracer counts), on a group of g ranks
+moving M bytes: reduce_scatter and all_gather send (g-1)/g M per rank, all_reduce twice that;
+a broadcast is counted M for every rank.
+
+Every strategy by name: register a spec once, and every part of minidist finds it.
 
     register(StrategySpec(name="mine", kind="minidist", factory=Mine, summary="...", options=(...)))
     spec("zero2"), names(), specs(kind="native")
@@ -14,11 +38,178 @@ that builds the strategy imports it first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+from minidist import comm
+from minidist.comm.wire import QUANT_BLOCK, Wire
 import importlib
 from pathlib import Path
-
 from minidist.train.config import ConfigError, config_dir
-from minidist.train.strategies.spec import StrategySpec
+
+
+KINDS = ("minidist", "native", "deepspeed")
+CHECKPOINTS = ("full", "sharded", "deepspeed", "dcp", "workers")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+GROUPS = ("world", "shard", "replicas")
+
+# Bytes per parameter of each part of the model state, Adam (two moments):
+#   fp32: 4-byte parameters and gradients, 8 bytes of moments;
+#   mixed: the ZeRO paper's mixed precision, 2 + 2 bytes and K = 12 (fp32 master copy + moments).
+STATE_BYTES = {"fp32": {"parameters": 4, "gradients": 4, "optimizer": 8},
+               "mixed": {"parameters": 2, "gradients": 2, "optimizer": 12}}
+# The part each ZeRO stage adds to what is sharded.
+SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a step performs: `op` over `group`, carrying `payload` ("model": all Ψ
+    parameters; "shard": 1/S of them, one shard group's piece), `count` times per step; `per_round`:
+    once per round of strategy.sync_every (H) steps instead; `wire`: the option naming the format
+    it travels as, where one does (None: the element size it is priced at)."""
+
+    op: str
+    group: str = "world"
+    payload: str = "model"
+    count: int = 1
+    per_round: bool = False
+    wire: str | None = None
+
+    def __post_init__(self):
+        if self.op not in OPS or self.group not in GROUPS or self.payload not in ("model", "shard"):
+            raise ValueError(f"Collective({self.op!r}, {self.group!r}, {self.payload!r}): op one of {OPS}, "
+                             f"group one of {GROUPS}, payload model or shard")
+
+
+# The patterns the families share: DDP's all_reduce; ZeRO-1/2's reduce_scatter + all_gather;
+# ZeRO-3's, whose parameters are gathered twice (for forward and for backward). Gradients travel
+# as strategy.grad_wire, gathered parameters as strategy.param_wire, where a strategy takes them.
+ALL_REDUCE = (Collective("all_reduce", wire="grad_wire"),)
+ZERO12 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", wire="param_wire"))
+ZERO3 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", count=2, wire="param_wire"))
+
+
+def in_shard_groups(collectives: tuple[Collective, ...]) -> tuple[Collective, ...]:
+    """`collectives` within each shard group, then each rank's 1/S all_reduced across the replicas:
+    the hybrid form of a pattern (HSDP, the two-level all_reduce)."""
+    return tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire) for c in collectives) + \
+        (Collective("all_reduce", group="replicas", payload="shard", wire="grad_wire"),)
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One strategy, registered once (registry.register). `factory(cfg, ctx, compute_dtype)`
+    builds its Strategy; everything else is read by the config checks, the comparison, the
+    RSS bound, the cost model and the docs."""
+
+    name: str
+    kind: str                          # minidist (ours) | native (PyTorch's) | deepspeed
+    factory: Callable
+    summary: str                       # one line: what it is
+    checkpoint: str = "full"           # full: rank 0 writes model.pt; sharded: a shard per rank; deepspeed, dcp: theirs
+    reference: str | None = None       # what a comparison checks it against (None: nothing)
+    zero_stage: int = 0                # 0 replicated ... 3 parameters sharded too
+    hybrid: bool = False               # on a 2-D mesh: shard groups of strategy.shard_size, replicated
+    messages: str = "buckets"          # what splits a step's payload: buckets (bucket_cap_mb) or units (stage 3)
+    collectives: tuple[Collective, ...] = ()
+    options: tuple[str, ...] = ()      # the strategy config's keys it reads (besides name)
+    # The values an option may take, where not every value of the key fits (others are refused
+    # before any work, naming the strategies that do take them), e.g. {"comm_hook": ("allreduce", ...)}.
+    choices: dict[str, tuple] = field(default_factory=dict, hash=False)
+    fp16: bool = True                  # takes torch's GradScaler (trainer.precision=fp16)
+    traces_comm: bool = True           # its communication goes through minidist.comm (CommTracer sees it)
+    single_rank: bool = False          # runs on exactly one rank
+    # Its optimizer steps flat slices cut across parameters (ZeRO's flat shards), so only an
+    # element-wise optimizer class is exact there (minidist.parallel.shard_optimizer).
+    flat_optimizer_shards: bool = False
+    # What a comparison checks it by: "parameters" (equal to its reference's within
+    # compare.tolerance) or "loss" (its final loss within compare.loss_tolerance of its
+    # reference's: an algorithm whose weights are not expected equal, such as DiLoCo's).
+    checked_by: str = "parameters"
+    # fp32 copies of the model it keeps besides the model state, over its shard group's S ranks
+    # (DiLoCo: the outer weights and the outer momentum, 2).
+    outer_copies: int = 0
+    # Where an option changes what the strategy sends or holds (DiLoCo's strategy.inner, ZeRO
+    # within a worker): (this spec, the options) -> the spec of the strategy so configured.
+    configured: Callable | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"StrategySpec {self.name!r}: kind={self.kind!r}, choose one of {KINDS}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ValueError(f"StrategySpec {self.name!r}: checkpoint={self.checkpoint!r}, choose one of {CHECKPOINTS}")
+        if self.messages not in ("buckets", "units") or not 0 <= self.zero_stage <= 3:
+            raise ValueError(f"StrategySpec {self.name!r}: messages buckets|units, zero_stage 0-3")
+        if self.checked_by not in ("parameters", "loss"):
+            raise ValueError(f"StrategySpec {self.name!r}: checked_by parameters | loss")
+        if any(c.group != "world" for c in self.collectives) and not self.hybrid:
+            raise ValueError(f"StrategySpec {self.name!r}: shard/replica collectives need hybrid=True")
+
+    def for_options(self, options) -> StrategySpec:
+        """This strategy as `options` (its config, or any mapping of its keys) configure it: the spec
+        itself, unless one of them changes its theory (`configured`)."""
+        return self.configured(self, options) if self.configured is not None and options is not None else self
+
+    # -- theory
+    def group_sizes(self, n: int, shard: int | None) -> dict[str, int] | None:
+        """Ranks in each group on a world of n (None when a hybrid strategy's S is unknown)."""
+        if not self.hybrid:
+            return {"world": n}
+        if shard is None:
+            return None
+        return {"world": n, "shard": shard, "replicas": n // shard}
+
+    def op_group_sizes(self, n: int, shard: int | None) -> dict[str, int]:
+        """Ranks in the group each op of `collectives` runs on ({} where unknown): what a trace
+        whose events do not say their group (the profiler's c10d events) is priced with."""
+        sizes = self.group_sizes(n, shard)
+        if sizes is None:
+            return {}
+        ops = {c.op: sizes[c.group] for c in self.collectives}
+        if len(ops) != len({(c.op, c.group) for c in self.collectives}):
+            raise ValueError(f"StrategySpec {self.name!r}: an op on two groups; a trace cannot tell them apart")
+        return ops
+
+    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: float = 4,
+                   sync_every: int = 1, options=None) -> dict[str, float]:
+        """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
+        hybrid strategy without `shard`, the size S of its shard groups); the per-round
+        collectives averaged over their round of `sync_every` steps. `options` (the strategy's
+        config): a collective whose wire option it sets is priced at that format's bytes an
+        element (quant_block's scales included), the others at `element_bytes`."""
+        sizes = self.group_sizes(n, shard)
+        if n <= 1 or sizes is None:
+            return {}
+        out: dict[str, float] = {}
+        for c in self.collectives:
+            g = sizes[c.group]
+            m = psi * wire_element_bytes(c.wire, options, element_bytes) / (shard if c.payload == "shard" else 1)
+            sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
+            if sent:
+                out[c.op] = out.get(c.op, 0.0) + c.count * sent / (sync_every if c.per_round else 1)
+        return out
+
+    def sharded_over(self, part: str) -> bool:
+        return self.zero_stage >= SHARDED_FROM_STAGE[part]
+
+    def model_state_bytes(self, psi: float, n: int, shard: int | None = None, precision: str = "fp32") -> float:
+        """Parameters + gradients + Adam's state per rank: each part whole, or 1/(ranks it is
+        sharded over) of it (the shard group's S for a hybrid strategy, the world's n otherwise)."""
+        over = (shard or n) if self.hybrid else n
+        outer = 4 * self.outer_copies * psi / ((shard or 1) if self.hybrid else 1)
+        return outer + sum(b * psi / (over if self.sharded_over(part) else 1)
+                           for part, b in STATE_BYTES[precision].items())
+
+
+def wire_element_bytes(wire: str | None, options, default: float) -> float:
+    """Bytes an element of a collective travelling as option `wire` sends under `options` (an
+    int8 wire's block scales included); `default` where the option is absent or null."""
+    name = (options or {}).get(wire) if wire is not None else None
+    if name is None:
+        return default
+    block = int((options or {}).get("quant_block") or QUANT_BLOCK)
+    return Wire(str(name), block=block).chunk_bytes(block) / block
+
 
 FAMILIES = ("minidist.train.strategies.ours", "minidist.train.strategies.native",
             "minidist.train.strategies.deepspeed")
