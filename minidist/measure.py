@@ -150,13 +150,14 @@ def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
     seen, total = set(), 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.Tensor) and obj.device.type == device_type:
-                    s = obj.untyped_storage()
-                    if s.data_ptr() not in seen and s.nbytes() > 0:
-                        seen.add(s.data_ptr())
-                        total += s.nbytes()
-            except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, ...)
-                continue
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]  # one C-speed pass
+    for obj in tensors:
+        try:
+            if obj.device.type == device_type:
+                s = obj.untyped_storage()
+                if s.data_ptr() not in seen and s.nbytes() > 0:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+        except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, ...)
+            continue
     return total

@@ -87,7 +87,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:  # the tier is the fixture: pytest -m pool (or "not pool") runs one tier
-        if "ranks" in getattr(item, "fixturenames", ()):
+        if {"ranks", "clean_ranks"} & set(getattr(item, "fixturenames", ())):
             item.add_marker("pool")
     if not _budgeted(config):
         return
