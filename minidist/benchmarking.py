@@ -23,12 +23,14 @@ what a strategy legitimately keeps besides: its gradient buckets or units in fli
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
+
+import torch
+
 from minidist import comm
 from minidist.measure import live_tensor_bytes
-import os
-import torch
 
 
 # A benchmark variant is a strategy's name, or that name and how it was run: not compiled

@@ -34,21 +34,20 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import re
+import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Callable, Mapping
-import torch
-import torch.distributed as dist
-from typing import Mapping
-import math
-import signal
 import time
 import uuid
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
 
 
 DEFAULT_TIMEOUT_S = 300.0

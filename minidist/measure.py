@@ -23,11 +23,12 @@ shows that as zero extra bytes of communication buffers.
 
 from __future__ import annotations
 
-import time
-import torch
 import gc
+import time
 import warnings
 from typing import Iterable
+
+import torch
 
 
 def clock_name(device: torch.device) -> str:

@@ -33,11 +33,13 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
+
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
 from minidist import comm
 from minidist.comm import ring
-from pathlib import Path
 
 
 PHASES = ("minidist.forward", "minidist.backward", "minidist.optimizer")

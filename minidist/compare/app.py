@@ -11,16 +11,16 @@ what and how to fix it).
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
+
 from omegaconf import OmegaConf
-from minidist.dist import launch_rank
-from minidist.dist import RanksFailed, run_ranks
-from minidist.train.config import ConfigError
+
 from minidist.compare.report import base_of
-from minidist.train.strategies import names as strategy_names
-from minidist.train.strategies import spec
-import shlex
+from minidist.dist import RanksFailed, launch_rank, run_ranks
+from minidist.train.config import ConfigError
+from minidist.train.strategies import names as strategy_names, spec
 
 
 def check_strategies(cfg) -> None:

@@ -54,15 +54,16 @@ PNG plots of a comparison (matplotlib, no display needed).
 
 from __future__ import annotations
 
-from minidist.train.strategies import spec
 import csv
 import json
 import statistics
 from pathlib import Path
+
+import matplotlib
 import torch
+
 from minidist.benchmarking import bootstrap_median_ci
 from minidist.train.strategies import reference_for, spec
-import matplotlib
 
 
 WIRE_OPTIONS = ("grad_wire", "param_wire", "outer_wire")

@@ -27,22 +27,23 @@ Every replica takes exactly the same steps, so their final states are comparable
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
+
 import torch
-from minidist import comm
-from minidist.train.state import build_training_state
-import os
 import torch.distributed as dist
 from omegaconf import OmegaConf
+
 import minidist
+from minidist import comm
 from minidist.benchmarking import PeakSampler, rotated, slowest
-from minidist.profiling import record_step
 from minidist.measure import live_tensor_bytes
+from minidist.profiling import record_step
 from minidist.train.config_check import grad_accum_steps
-from minidist.train.state import build_data
 from minidist.train.models import count_parameters
+from minidist.train.state import build_data, build_training_state
 from minidist.train.strategies import names as strategy_names, spec
 
 
@@ -94,7 +95,6 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     t = value.detach().double().reshape(1).to(comm.control_device())  # nccl: on the GPU, not .cpu()
     comm.all_reduce(t)
     return t.item() / dist.get_world_size()
-
 
 
 def measure_memory(replica: Replica, micro_batches) -> dict:

@@ -24,13 +24,15 @@ ranks even when gradients become ready in a different order on each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-import torch
-from minidist import comm
 import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 import torch.distributed as dist
+
+from minidist import comm
 from minidist.parallel.sharded_grad import local_grad
 
 

@@ -33,6 +33,7 @@ all_reduced uncompressed, in one flat message per bucket. The first
 from __future__ import annotations
 
 import torch
+
 from minidist import comm
 from minidist.parallel.buckets import Bucket
 from minidist.parallel.grad_reduce import ReplicaReduce

@@ -45,9 +45,11 @@ broadcast. This is `require_forward_param_sync` in torch/nn/parallel/distributed
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 from torch import nn
-from typing import Callable, TypeVar
+
 from minidist.parallel.buckets import FlatBuffers
 
 

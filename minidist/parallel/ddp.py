@@ -40,16 +40,14 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.parallel.buckets import MiB, Bucket, broadcast_coalesced, plan_buckets
-from minidist.measure import measure, optimizer_tensors
-from minidist.parallel.buckets import BucketedBackward, GradientSyncSwitch
-from minidist.parallel.compat import BufferSync
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
-from minidist.parallel.comm_hooks import BUILTIN_HOOKS, WireAllReduce, allreduce_hook
+from minidist.measure import measure, optimizer_tensors
+from minidist.parallel.buckets import (Bucket, BucketedBackward, GradientSyncSwitch, MiB, broadcast_coalesced,
+                                       plan_buckets)
+from minidist.parallel.comm_hooks import BUILTIN_HOOKS, PowerSGD, WireAllReduce, allreduce_hook
+from minidist.parallel.compat import (BufferSync, check_devices, check_materialised, check_not_wrapped, mark_wrapped,
+                                      process_group_of, refuse_unknown)
 from minidist.parallel.join import FORWARD, final_sync, global_rank
-from minidist.parallel.compat import (check_devices, check_materialised, check_not_wrapped, mark_wrapped,
-                                           process_group_of, refuse_unknown)
-from minidist.parallel.comm_hooks import PowerSGD
 
 
 def check_same_parameters(module: nn.Module, group=None) -> None:

@@ -58,10 +58,12 @@ whole model on any rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
+
 from minidist import comm
-from dataclasses import dataclass
 from minidist.comm.wire import as_wire
 
 

@@ -61,11 +61,13 @@ same weights; it is dropped after backward, at the next forward and after an opt
 
 from __future__ import annotations
 
-import torch
 from dataclasses import dataclass
-from torch import nn
-from minidist import comm
+
+import torch
 import torch.distributed as dist
+from torch import nn
+
+from minidist import comm
 from minidist.dist import ranks_per_host
 
 

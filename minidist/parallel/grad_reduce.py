@@ -36,6 +36,7 @@ alike: the gradients are rounded to it once, on the sending rank, and summed in 
 from __future__ import annotations
 
 import torch
+
 from minidist import comm
 from minidist.parallel.flat_shard import FlatShard
 

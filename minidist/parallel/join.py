@@ -53,11 +53,13 @@ instead of waiting for it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+
 from minidist import comm
 from minidist.parallel.buckets import broadcast_coalesced
-import contextlib
 
 
 # What a notice announces: the kind of point the active ranks have reached, then its details.

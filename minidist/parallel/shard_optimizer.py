@@ -64,8 +64,10 @@ from __future__ import annotations
 
 import hashlib
 from typing import Callable
+
 import torch
 from torch import nn
+
 from minidist.parallel.flat_shard import merged_pieces
 
 

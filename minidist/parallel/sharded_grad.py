@@ -61,9 +61,11 @@ from __future__ import annotations
 
 import math
 from typing import Callable
+
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
 from minidist import comm
 
 

@@ -42,23 +42,19 @@ from torch.utils._pytree import tree_map_only
 
 from minidist import comm
 from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
-from minidist.parallel.buckets import MiB, Bucket, BufferPool, plan_buckets
 from minidist.measure import measure, optimizer_tensors
-from minidist.parallel.buckets import BucketedBackward, GradientSyncSwitch, used_on_any_rank
-from minidist.parallel.compat import BufferSync
-from minidist.parallel.compat import eager, runs_compiled_code
+from minidist.parallel.buckets import (Bucket, BucketedBackward, BufferPool, GradientSyncSwitch, MiB, plan_buckets,
+                                       used_on_any_rank)
+from minidist.parallel.compat import (BufferSync, check_materialised, check_not_wrapped, check_reshard_after_forward,
+                                      eager, is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
+                                      refuse_unknown, runs_compiled_code)
 from minidist.parallel.ddp import replicate_from_source
-from minidist.parallel.flat_shard import FlatShard, order_by_group
+from minidist.parallel.flat_shard import (FlatShard, FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces,
+                                          order_by_group)
 from minidist.parallel.grad_reduce import ShardedGradReduce
-from minidist.parallel.shard_optimizer import ModuleStateHooks, plain_module
-from minidist.parallel.compat import (check_materialised, check_not_wrapped, check_reshard_after_forward,
-                                           is_device_mesh, mark_wrapped, mixed_precision, process_group_of,
-                                           refuse_unknown)
-from minidist.parallel.sharded_grad import FoundInfAgreement
-from minidist.parallel.shard_optimizer import ShardOptimizer, parameter_groups
-from minidist.parallel.flat_shard import FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces
-from minidist.parallel.sharded_grad import GradientPlaceholders, local_grad
 from minidist.parallel.join import ShardedJoin
+from minidist.parallel.shard_optimizer import ModuleStateHooks, ShardOptimizer, parameter_groups, plain_module
+from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholders, local_grad
 
 
 def wire_option(value, block: int, what: str) -> Wire | None:

@@ -29,16 +29,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minidist.parallel.buckets import BufferPool
 from minidist.comm.check import exchange
 from minidist.comm.wire import QUANT_BLOCK
-from minidist.parallel.compat import eager, mark_hooked
-from minidist.parallel.flat_shard import FlatShard
-from minidist.parallel.compat import check_reshard_after_forward, refuse_unknown
-from minidist.parallel.flat_shard import SecondaryShards, secondary_size
+from minidist.parallel.buckets import BufferPool
+from minidist.parallel.compat import check_reshard_after_forward, eager, mark_hooked, refuse_unknown
+from minidist.parallel.flat_shard import FlatShard, SecondaryShards, secondary_size
+from minidist.parallel.join import tensors_in
 from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
-from minidist.parallel.join import tensors_in
 
 
 SIZE_RULE_PARAMS = 100_000  # the default's fallback for a model without repeated blocks

@@ -20,24 +20,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import os
+import re
 import sys
 import time
 from pathlib import Path
+from typing import Callable
+
 from omegaconf import OmegaConf
-from minidist.dist import choose_backend, detect_launch, launch_rank
-from minidist.dist import RanksFailed, Stopped, run_ranks, under_launcher
-from minidist.train.config_check import resume_notice, validate
+
+from minidist.dist import RanksFailed, Stopped, choose_backend, detect_launch, launch_rank, run_ranks, under_launcher
 from minidist.train.checkpoint import CheckpointWriteFailed
-from minidist.train.config import ConfigError
-from minidist.train.resilience import read_records, report_failure, who_failed_first
-from minidist.train.resilience import dumps_line, enable_flight_recorder
-from minidist.train.config import typed_keys
+from minidist.train.config import ConfigError, typed_keys
+from minidist.train.config_check import resume_notice, validate
+from minidist.train.resilience import dumps_line, enable_flight_recorder, read_records, report_failure, who_failed_first
 from minidist.train.run_files import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
 from minidist.train.stop_signal import StopSignals, exit_status
-import difflib
-import re
-from typing import Callable
 
 
 def local_nproc(launcher_cfg) -> int:

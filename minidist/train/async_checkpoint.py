@@ -41,8 +41,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minidist import comm
-from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_folders, collect_files, commit_save,
-                                       prune, sync_to_disk)
+from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_folders, collect_files, commit_save, prune,
+                                       sync_to_disk)
 from minidist.train.checkpoint_layouts import write_files
 
 

@@ -36,9 +36,8 @@ import torch
 from minidist import comm
 from minidist.dist import get_logger
 from minidist.train.checkpoint_layouts import layout_for, layout_of, write_files
+from minidist.train.checkpoint_safety import NAME as MANIFEST, load_tensors, verify_checkpoint_files, write_manifest
 from minidist.train.config import ConfigError
-from minidist.train.checkpoint_safety import NAME as MANIFEST, write_manifest
-from minidist.train.checkpoint_safety import load_tensors, verify_checkpoint_files
 
 FORMAT = "minidist.train.v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")

@@ -51,19 +51,20 @@ beyond them either.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
-import stat
-from pathlib import Path
-from minidist.train.config import CheckpointRefused
-import io
 import pickle
-import warnings
-import torch
-import errno
 import shutil
+import stat
+import warnings
+from pathlib import Path
 from typing import Any
+
+import torch
+
 from minidist.train.config import CheckpointRefused  # noqa: F401  (raised here; public from here too)
 
 

@@ -13,15 +13,14 @@ from pathlib import Path
 import torch
 
 from minidist.dist import print0
+from minidist.parallel.shard_optimizer import check_elementwise
 from minidist.train import data as data_mod
 from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkpoints, read_meta
 from minidist.train.checkpoint_safety import CheckpointRefused, verify_checkpoint_files
-from minidist.train.config import ConfigError
-from minidist.train.resilience import planned_kills
+from minidist.train.config import ConfigError, config_changes, describe, is_fixed
 from minidist.train.models import MODELS, build_model
-from minidist.train.config import config_changes, describe, is_fixed
-from minidist.parallel.shard_optimizer import check_elementwise
 from minidist.train.optim import optimizer_spec
+from minidist.train.resilience import planned_kills
 from minidist.train.strategies import check_options, mesh_dims
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -26,8 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from minidist.train.config import ConfigError
-from minidist.train.config import class_named
+from minidist.train.config import ConfigError, class_named
 
 
 @dataclass(frozen=True)

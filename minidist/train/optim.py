@@ -22,13 +22,15 @@ they are what the comparison's timeline draws as compute.
 
 from __future__ import annotations
 
-import math
-import torch
-from minidist.train.config import class_named
 import contextlib
+import math
 from typing import Callable, Iterable
+
+import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
+
+from minidist.train.config import class_named
 
 
 # The optim group's keys that are not the optimizer's own arguments.

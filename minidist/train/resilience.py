@@ -109,22 +109,23 @@ still beats: that is launcher.timeout_s's to catch.
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import signal
+import sys
+import threading
 import time
-from pathlib import Path
-from minidist import comm
-from minidist.dist import ranks_per_host
-from minidist.comm import ring
-import json
 import traceback
+from pathlib import Path
+from typing import Callable
+
+from minidist import comm
+from minidist.comm import ring
+from minidist.dist import ranks_per_host
 from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.run_files import RunDirectoryUnwritable, append_file, write_replacing
 from minidist.train.stop_signal import signal_name
-import datetime
-import sys
-import threading
-from typing import Callable
 
 
 def planned_kills(debug_cfg) -> list[tuple[int, int]]:

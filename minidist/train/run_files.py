@@ -41,15 +41,17 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
-from minidist.train.config import ConfigError
-import logging
-import sys
+
 from omegaconf import OmegaConf
+
+from minidist.train.config import ConfigError
 
 
 NAME = "run.lock"

@@ -35,17 +35,18 @@ both, so a comparison measures exactly what the trainer runs.
 
 from __future__ import annotations
 
-import torch
 import contextlib
-import warnings
 import math
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
+
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
 from minidist.train.models import build_model
-from minidist.train.optim import lr_lambda, optimizer_spec
-from minidist.train.optim import accumulate_and_step, task_loss
+from minidist.train.optim import accumulate_and_step, lr_lambda, optimizer_spec, task_loss
 from minidist.train.strategies import Strategy, build_strategy
 
 

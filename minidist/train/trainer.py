@@ -30,27 +30,22 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.profiling import settle
 from minidist.measure import Span, clock_name, to_host
+from minidist.profiling import settle
+from minidist.train.async_checkpoint import AsyncCheckpoints
 from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, prune, read_meta,
                                        remove_partial_saves, save_checkpoint)
-from minidist.train.async_checkpoint import AsyncCheckpoints
 from minidist.train.checkpoint_layouts import layout_for
-from minidist.train.resilience import HostTraffic, cross_host_sent
+from minidist.train.config import config_changes, describe, schedule_changed
 from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
-from minidist.train.state import configure_device, to_device
-from minidist.train.resilience import write_record
-from minidist.train.resilience import PeerWatch
-from minidist.train.resilience import FaultPlan
-from minidist.train.resilience import collective_failure
 from minidist.train.models import count_parameters, gpt_flops_per_token
-from minidist.train.run_files import RunLog
-from minidist.train.run_files import append_file, replacing
 from minidist.train.optim import optimizer_spec
-from minidist.train.state import peak_tflops
-from minidist.train.config import config_changes, describe, schedule_changed
-from minidist.train.state import build_data, build_training_state, reseed_per_rank
+from minidist.train.resilience import (FaultPlan, HostTraffic, PeerWatch, collective_failure, cross_host_sent,
+                                       write_record)
+from minidist.train.run_files import RunLog, append_file, replacing
+from minidist.train.state import (build_data, build_training_state, configure_device, peak_tflops, reseed_per_rank,
+                                  to_device)
 from minidist.train.stop_signal import StopSignals, signal_name
 from minidist.train.strategies import local_tensor
 

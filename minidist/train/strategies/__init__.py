@@ -13,8 +13,7 @@ defaults in configs/strategy/NAME.yaml (docs/trainer.md: "Adding a strategy").
 from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
                                             step_unless_nonfinite)
 from minidist.train.strategies.registry import (Collective, StrategySpec, build_strategy, check_options, names,
-                                                reference_for, register, spec, specs, split_variant,
-                                                strategy_options)
+                                                reference_for, register, spec, specs, split_variant, strategy_options)
 
 __all__ = ["Collective", "Strategy", "StrategySpec", "agree_on_overflow", "build_mesh", "build_strategy",
            "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "spec",

@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minidist.measure import measure, optimizer_tensors
-from minidist.measure import to_host
+from minidist.measure import measure, optimizer_tensors, to_host
 from minidist.train.config import ConfigError
 from minidist.train.strategies.registry import StrategySpec
 

@@ -39,8 +39,7 @@ import torch
 from minidist.measure import measure
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy
-from minidist.train.strategies.registry import register
-from minidist.train.strategies.registry import ZERO3, ZERO12, StrategySpec
+from minidist.train.strategies.registry import StrategySpec, ZERO12, ZERO3, register
 
 INSTALL_HINT = "pip install -e '.[deepspeed]' (or pip install deepspeed)"
 

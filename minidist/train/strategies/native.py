@@ -17,8 +17,7 @@ import contextlib
 import torch
 
 from minidist.train.strategies.base import Strategy, mesh_dims
-from minidist.train.strategies.registry import register
-from minidist.train.strategies.registry import ALL_REDUCE, ZERO3, Collective, StrategySpec, in_shard_groups
+from minidist.train.strategies.registry import ALL_REDUCE, Collective, StrategySpec, ZERO3, in_shard_groups, register
 
 
 class NativeDDP(Strategy):

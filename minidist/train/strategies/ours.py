@@ -35,17 +35,18 @@ the outer state once; they resume exactly, also under another inner strategy.
 from __future__ import annotations
 
 import contextlib
-import functools
-import torch
-from minidist.comm.wire import FORMATS
-from minidist.train.config import ConfigError
-from minidist.train.strategies.base import Strategy, build_mesh
-from minidist.train.strategies.registry import register
-from minidist.train.strategies.registry import ALL_REDUCE, ZERO3, ZERO12, StrategySpec, in_shard_groups
 import dataclasses
+import functools
+
+import torch
+
+from minidist.comm.wire import FORMATS
 from minidist.measure import measure
 from minidist.parallel.diloco import DiLoCo
-from minidist.train.strategies.registry import ZERO3, ZERO12, Collective, StrategySpec
+from minidist.train.config import ConfigError
+from minidist.train.strategies.base import Strategy, build_mesh
+from minidist.train.strategies.registry import (ALL_REDUCE, Collective, StrategySpec, ZERO12, ZERO3, in_shard_groups,
+                                                register)
 
 
 class Single(Strategy):

@@ -38,12 +38,13 @@ that builds the strategy imports it first.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
+
 from minidist import comm
 from minidist.comm.wire import QUANT_BLOCK, Wire
-import importlib
-from pathlib import Path
 from minidist.train.config import ConfigError, config_dir
 
 
