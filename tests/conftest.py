@@ -25,7 +25,7 @@ import pytest
 # The tools beside the package (the cost model, the documents' pipeline) import as the scripts import them.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "lib"))
 
-from rank_pool import RankPool
+from rank_pool import RankPool, RankPools
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -37,16 +37,9 @@ GOAL_S = 180.0
 
 @pytest.fixture(scope="session")
 def ranks():
-    pools: dict[int, RankPool] = {}
-
-    def get(world_size: int) -> RankPool:
-        if world_size not in pools:
-            pools[world_size] = RankPool(world_size)
-        return pools[world_size]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
+    pools = RankPools()
+    yield pools
+    pools.close()
 
 
 def pytest_configure(config):

@@ -228,3 +228,19 @@ class RankPool:
             self.close()  # their threads would slow every later test: fresh ranks next time
             self._why_start = "groups held"
         return [value for _, value, _ in replies]
+
+
+class RankPools:
+    """One RankPool per world size, each started on its first use: `pools(2).run(...)`; close() ends them."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def __call__(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()

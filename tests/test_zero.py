@@ -236,12 +236,11 @@ FORMULAS = {  # bytes per rank, fp32 parameters (4 bytes), Adam (8 bytes of stat
 def clean_ranks():
     """Rank pools of this module's own, forked clean: counting every live tensor walks every Python
     object of the rank, and the shared pools hold what the whole suite left there (seconds a walk)."""
-    from rank_pool import RankPool
+    from rank_pool import RankPools
 
-    pools = {}
-    yield lambda n: pools.setdefault(n, RankPool(n))
-    for pool in pools.values():
-        pool.close()
+    pools = RankPools()
+    yield pools
+    pools.close()
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3"])

@@ -2,7 +2,7 @@
 
 Where a DiLoCo fragment's values live on the ranks of one worker, and how its outer state moves.
 
-The outer loop (diloco.py) works on each rank's *slice* of a fragment: it keeps the slice's outer
+The outer loop (DiLoCo, below) works on each rank's *slice* of a fragment: it keeps the slice's outer
 weights and momentum, all_reduces the slice's pseudo-gradient across the workers, and writes the
 result back. A place says what that slice is:
 

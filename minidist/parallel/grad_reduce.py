@@ -24,7 +24,7 @@ The one gradient reduction every ZeRO stage (and hybrid sharding) performs:
 
     fill     each gradient / N into its slot of a flat, shard-padded buffer (zeros where none)
     launch   reduce_scatter the buffer over the shard group -> this rank's slice of the sum;
-             with a mesh, that slice is then all_reduced across the replicas (grad_reduce.py)
+             with a mesh, that slice is then all_reduced across the replicas (ReplicaReduce, above)
     finish   add the slice into the master shard's gradient (cast to the master dtype)
 
 Stages 1-2 do it per bucket (zero.py), stage 3 per unit (zero3.py); what differs between

@@ -30,7 +30,7 @@ Join for ShardedDataParallel: a rank that ran out of data keeps its shard of the
 
 Under ZeRO a rank that left its loop cannot simply add zeros and wait, as a DataParallel rank
 does: it owns a shard of the optimizer (and, at stage 3, of the parameters). So for every
-notice of the ranks still training (see join.py) it does what they do:
+notice of the ranks still training (see Join, below) it does what they do:
 
     FORWARD  replay this rank's last forward, with the same grad mode, train/eval mode and
              no_sync state as announced, and backward with zero output gradients. That
@@ -98,7 +98,7 @@ class Join:
 
     ShardedDataParallel additionally assumes the loop native ZeRO + Join assumes: each synced
     backward is followed by at most one `clip_grad_norm_` and one `optimizer.step()`, then
-    `zero_grad()`. See join.py for what a rank that left does at each point.
+    `zero_grad()`. See "Join for ShardedDataParallel" above for what a rank that left does at each point.
     """
 
     def __init__(self, model, enable: bool = True):

@@ -39,7 +39,7 @@ anything else before it is constructed.
     save_tensors(state, path)                  # torch.save through an opened file: a full disk is
                                                # the OS's OSError (errno 28), not "unexpected pos"
 
-torch.distributed.checkpoint's folders (native_fsdp, native_hsdp) are read by checkpoint_safety.py, whose
+torch.distributed.checkpoint's folders (native_fsdp, native_hsdp) are read by read_metadata / read_full below, whose
 metadata reader resolves only DCP's own classes (checked here too, before anything loads).
 
 DeepSpeed's own checkpoint files (ds_zero*) hold three small DeepSpeed classes besides
@@ -399,7 +399,7 @@ def save_tensors(obj: Any, path: Path) -> dict:
 
 
 def verify_checkpoint_files(ckpt: Path) -> list[str]:
-    """Check checkpoint `ckpt` against its manifest (checkpoint_safety.py), then open every file it lists
+    """Check checkpoint `ckpt` against its manifest (verify_manifest), then open every file it lists
     under the restricted unpickler (memory-mapped, so cheap); raise a ConfigError naming the first
     that fails. Return the files in the folder the manifest does not list: never opened (a stray
     copy, a FIFO), they are no part of the checkpoint, and the caller says so."""
@@ -412,7 +412,7 @@ def verify_checkpoint_files(ckpt: Path) -> list[str]:
             ds_allow = ds_allow if ds_allow is not None else deepspeed_classes()
             allow = ds_allow
         load_tensors(ckpt / name, mmap=True, allow=allow)
-    for name in (n for n in listed if Path(n).name == ".metadata"):  # torch.distributed.checkpoint's (checkpoint_safety.py)
+    for name in (n for n in listed if Path(n).name == ".metadata"):  # torch.distributed.checkpoint's (read_metadata)
 
         read_metadata((ckpt / name).parent)
     known = {*listed, NAME}

@@ -17,7 +17,7 @@ lists of the same length, e.g. debug.kill_rank=[1,3,0] debug.kill_at_step=[120,4
 
 debug.stall_rank / debug.stall_at_step: that rank stops participating before that step (it
 sleeps, as a rank stuck in a data loader or a deadlock would); the others must fail after
-launcher.timeout_s (minidist/train/resilience.py names what they waited for).
+launcher.timeout_s (collective_failure, below, names what they waited for).
 debug.nan_rank / debug.nan_at_step: that rank's loss becomes nan at that step.
 debug.step_delay_s: every rank sleeps this long before each step (a slow model, without one: so
 that a host can be lost, or come back, while the run is still going).
@@ -32,11 +32,11 @@ process group); a dead peer fails its collectives at once (the connection closes
 the collective this rank was waiting for — from minidist.comm's tracer for our strategies,
 generically for native ones — and the launcher then stops every rank and exits non-zero.
 
-The test stalls a rank with debug.stall_rank / debug.stall_at_step (minidist/train/resilience.py).
+The test stalls a rank with debug.stall_rank / debug.stall_at_step (FaultPlan, above).
 
 What a stuck NCCL collective leaves behind for the person who has to find it.
 
-On gloo a collective that times out raises in the rank that called it, and resilience.py
+On gloo a collective that times out raises in the rank that called it, and collective_failure
 names the step and the collective. On NCCL the waiting happens on the GPU: the host never blocks inside a
 collective (wait() only makes a stream wait), and at launcher.timeout_s NCCL's watchdog thread
 tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) before Python code can name

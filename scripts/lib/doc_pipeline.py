@@ -82,11 +82,6 @@ def run_recipe(recipe: str, overrides: list[str], run_dir: Path, result_file: st
     return json.loads((run_dir / result_file).read_text()), wall
 
 
-# The hand-written texts that quote rendered documents' figures (between <!-- TAG:NAME --> marks).
-QUOTING = ["README.md", "docs/trainer.md", "docs/compare.md", "docs/multinode.md", "docs/api.md", "docs/drop_in.md",
-           "docs/testing.md"]
-
-
 def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
     """`text` (the README or a hand-written document) with each region <!-- TAG:NAME -->...<!-- /TAG:NAME -->
     it holds filled with quotes[NAME]: the sentences that quote a rendered document's figures, rendered with it."""
@@ -102,15 +97,16 @@ def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
 
 
 def quoting_texts(tag: str) -> list[Path]:
-    """The hand-written texts holding a quote region of `tag`."""
-    return [ROOT / name for name in QUOTING if f"<!-- {tag}:" in (ROOT / name).read_text()]
+    """The texts (README.md, docs/*.md) holding a quote region of `tag`: wherever a sentence quoting a
+    rendered document's figures stands, it is rendered with them."""
+    return [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if f"<!-- {tag}:" in p.read_text()]
 
 
 @dataclass
 class Document:
     """One document: the script that makes it, where it goes, how it renders (from committed data only), the runs that
     measure its data (name -> callable), and the README's quotes of it (a function rewriting
-    a text with them, see fill_quotes; applied to every text of QUOTING that quotes it)."""
+    a text with them, see fill_quotes; applied to every text that quotes it, see quoting_texts)."""
 
     script: Path                         # the scripts/make_*.py that declares it (its __file__)
     path: Path
