@@ -213,7 +213,7 @@ class Handle:
     def wait_on_stream(self) -> None:
         """CUDA: make the *current* stream wait for this operation, without counting it as time
         the computation was blocked (used from a side stream that chains one collective behind
-        another: grad_reduce.py). The host does not wait."""
+        another: sharded_grad.py). The host does not wait."""
         if not self._done:
             self._work.wait()  # on NCCL: the current stream waits; the call returns at once
             self._done = True

@@ -36,7 +36,7 @@ import torch
 
 from minidist import comm
 from minidist.parallel.buckets import Bucket
-from minidist.parallel.grad_reduce import ReplicaReduce
+from minidist.parallel.sharded_grad import ReplicaReduce
 
 
 def allreduce_hook(bucket: Bucket):
@@ -99,7 +99,7 @@ class HierarchicalAllReduce:
         model = DataParallel(net, comm_hook=HierarchicalAllReduce(minidist.init_mesh(shard=4)))
 
     The reduce_scatter starts when the bucket is launched; the all_reduce across hosts is
-    chained behind it and starts, in bucket order, as soon as it is done (grad_reduce.py, as for
+    chained behind it and starts, in bucket order, as soon as it is done (sharded_grad.py, as for
     hybrid sharding: the replicate group carries nothing else, so every rank issues the same
     sequence there). The gather runs in wait(), which DataParallel calls in bucket order after
     every launch: started any earlier, it could cross a later bucket's reduce_scatter on the

@@ -1,48 +1,47 @@
-"""Gradients under ZeRO as torch's own code sees them: the `.grad` placeholder, and GradScaler's
-found-inf agreed across ranks.
+"""The sharded gradient, from the buckets to the optimizer: its reduction, the `.grad` placeholder
+torch's own code sees, and GradScaler's found-inf agreed across ranks.
 
-What a parameter's `.grad` holds under ShardedDataParallel: a placeholder for a gradient that
-exists only sharded, which answers what clipping asks of it and refuses the rest.
+The one gradient reduction every ZeRO stage (and hybrid sharding) performs:
 
-After a synchronised backward, the averaged gradient exists only sharded: rank r holds slice
-r in its master shards (`model.optimizer`'s parameters). No rank has the full averaged
-gradient, so a `.grad` holding a plain tensor would be wrong: `None` makes
-torch.nn.utils.clip_grad_norm_ return 0 and clip nothing, and the local, unreduced gradient
-makes it clip by a norm no rank agrees on. Both train silently differently from native DDP.
+    fill     each gradient / N into its slot of a flat, shard-padded buffer (zeros where none)
+    launch   reduce_scatter the buffer over the shard group -> this rank's slice of the sum;
+             with a mesh, that slice is then all_reduced across the replicas (ReplicaReduce)
+    finish   add the slice into the master shard's gradient (cast to the master dtype)
 
-So every trainable parameter's `.grad` becomes a `ShardedGradient`: a tensor of the right
-shape, dtype and device with no storage, which knows where its parameter's slice of the
-averaged gradient lives on this rank. It answers what gradient clipping and gradient-norm
-logs ask, as DTensor does for fully_shard's gradients:
+Stages 1-2 do it per bucket (zero.py), stage 3 per unit (zero3.py); only when the buffer exists
+and when each step runs differ. The wire (`grad_wire`, minidist.comm.wire) is applied here, so
+every stage rounds each gradient once, on the sending rank, and sums in full precision.
 
-- `torch.linalg.vector_norm(p.grad, ord)` / `p.grad.norm()` (what
-  `torch.nn.utils.clip_grad_norm_` computes per parameter): the norm of the whole averaged
-  gradient. The first such call after a backward computes every parameter's norm with one
-  all_reduce over the shard group (of each rank's part of each norm), later calls read them.
-  A collective, so every rank must make the same calls, as clipping does.
-- `p.grad.mul_(c)` (the clipping itself) and `p.grad.clamp_(lo, hi)`
-  (`torch.nn.utils.clip_grad_value_`): applied to this rank's slice.
+Hybrid sharding (minidist.init_mesh): the reduce_scatter within the shard group (one host) leaves
+each rank its host's sum of 1/S of the gradient; the all_reduce across the replicate group (one
+rank per host) makes it every rank's sum. Only that crosses hosts: 1/S of the bytes. It can
+start only once its reduce_scatter is done, so it is chained behind it, and chained reductions
+start strictly in issue order (every rank of a replicate group issues them alike); each new
+reduction first starts those at the queue's head already done, so the all_reduces overlap the
+rest of backward. On CUDA the host cannot see a reduce_scatter finish without waiting for the
+GPU, so each all_reduce is issued at once from a side stream that waits for its reduce_scatter.
 
-Every other use (reading values, a finiteness check) raises an error naming the supported way.
-`p.grad is not None` stays true, as after a native backward, so code that checks before
-reading reaches the answer or the error instead of silently skipping the parameter.
+The `.grad` placeholder. After a synchronised backward the averaged gradient exists only
+sharded: rank r holds slice r in its master shards (`model.optimizer`'s parameters). A `.grad`
+of `None` makes torch.nn.utils.clip_grad_norm_ clip nothing; the local, unreduced gradient
+clips by a norm no rank agrees on: both silently differ from native DDP. So every trainable
+parameter's `.grad` becomes a `ShardedGradient` (right shape, dtype and device, no storage)
+that answers what clipping and gradient-norm logs ask, as DTensor does for fully_shard:
 
-It gets out of the way by itself: a hook on each parameter clears it just before autograd
-accumulates a new gradient (a second backward, or no_sync's local accumulation), and the
-module's `zero_grad()` / `p.grad = None` clear it as they would any gradient
-(`model.optimizer.zero_grad()` clears the master shards' gradients only).
+- `torch.linalg.vector_norm(p.grad, ord)` / `p.grad.norm()`: the whole averaged gradient's norm.
+  The first call after a backward computes every parameter's norm with one all_reduce over the
+  shard group; later calls read them. A collective: every rank makes the same calls, as clipping does.
+- `p.grad.mul_(c)` (clipping) and `p.grad.clamp_(lo, hi)` (clip_grad_value_): on this rank's slice.
+
+Every other use raises an error naming the supported way. `p.grad is not None` stays true, so
+code that checks before reading reaches the answer or the error instead of skipping. A hook on
+each parameter clears the placeholder just before autograd accumulates a new gradient (a second
+backward, no_sync), and `zero_grad()` / `p.grad = None` clear it as any gradient.
 
 torch.amp.GradScaler on a ShardedDataParallel optimizer: every rank skips or steps together.
-
-    scaler.scale(loss).backward()
-    scaler.step(model.optimizer)     # all ranks skip, or all step
-    scaler.update()                  # one scale on every rank
-
-The scaler decides from the gradients the optimizer holds, which under ZeRO are this rank's
-shard. An overflow in one layer lands in one rank's shard only, so that rank alone would skip
-the step and lower its scale: at stages 1-2 the others would wait for its post-step all_gather
-until the timeout; at stage 3 the replicas would silently drift apart. Under native DDP every
-rank holds the whole averaged gradient, so every rank sees the inf.
+The scaler decides from the gradients the optimizer holds, this rank's shard: an overflow in
+one layer lands in one rank's shard, so that rank alone would skip and lower its scale (stages
+1-2: the others wait for its all_gather until the timeout; stage 3: the replicas drift apart).
 
 The agreement happens where the scaler looks. `scaler.unscale_(optimizer)` (also run inside
 `scaler.step`) calls `torch._amp_foreach_non_finite_check_and_unscale_` on the optimizer's
@@ -67,6 +66,109 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from minidist import comm
+from minidist.parallel.flat_shard import FlatShard
+
+
+class ReplicaReduce:
+    """Sum reduced shards over `group` (the mesh's replicate group), each after its reduce_scatter."""
+
+    def __init__(self, group, algorithm: str = "auto", wire=None):
+        self.group, self.algorithm, self.wire = group, algorithm, wire  # wire: what travels (comm.wire)
+        self._queue: list[_ThenAcrossReplicas] = []
+        self._side_stream = None  # CUDA: where the all_reduces wait for their reduce_scatters
+
+    def after(self, handle, tensor: torch.Tensor) -> "_ThenAcrossReplicas":
+        """A handle whose wait() returns once `handle` and the all_reduce of `tensor` are done."""
+        chained = _ThenAcrossReplicas(self, handle, tensor)
+        if tensor.is_cuda:  # chained on the device, started now, in issue order like the host's queue
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(tensor.device)
+            self._side_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # `tensor` is ready there
+            with torch.cuda.stream(self._side_stream):
+                handle.wait_on_stream()  # the side stream, not the computation, waits for the reduce_scatter
+                chained.second = comm.all_reduce(tensor, group=self.group, async_op=True, algorithm=self.algorithm,
+                                                 wire_dtype=self.wire)
+            return chained
+        self.progress()
+        self._queue.append(chained)
+        return chained
+
+    def progress(self) -> None:
+        """Start the all_reduces at the head of the queue whose reduce_scatter has finished."""
+        while self._queue and self._queue[0].first.is_completed():
+            self._start(self._queue.pop(0))
+
+    def _start_up_to(self, target: "_ThenAcrossReplicas") -> None:
+        while self._queue:
+            head = self._queue.pop(0)
+            self._start(head)
+            if head is target:
+                return
+
+    def _start(self, chained: "_ThenAcrossReplicas") -> None:
+        chained.first.wait()
+        chained.second = comm.all_reduce(chained.tensor, group=self.group, async_op=True, algorithm=self.algorithm,
+                                         wire_dtype=self.wire)
+
+
+class _ThenAcrossReplicas:
+    def __init__(self, owner: ReplicaReduce, first, tensor: torch.Tensor):
+        self.owner, self.first, self.tensor, self.second = owner, first, tensor, None
+
+    def wait(self) -> None:
+        if self.second is None:
+            self.owner._start_up_to(self)
+        self.second.wait()
+
+    def is_completed(self) -> bool:
+        return self.second is not None and self.second.is_completed()
+
+
+class ShardedGradReduce:
+    """Fill, reduce_scatter (then across the replicas) and accumulate one FlatShard's gradients.
+
+    Args:
+        dp_size: every data-parallel rank (the world with a mesh): what a gradient is divided by.
+        group: the shard group the reduce_scatter runs over.
+        replicate_group: with a mesh of more than one replica, the group each slice is then
+            all_reduced over (None: no second level).
+        dtype: the dtype of the buffers (reduce_dtype).
+        algorithm: the collectives' algorithm (minidist.comm.choose_algorithm).
+        wire: None (the buffer's dtype travels), or a minidist.comm.wire.Wire (or a format name).
+    """
+
+    def __init__(self, *, dp_size: int, group, replicate_group=None, dtype: torch.dtype,
+                 algorithm: str = "auto", wire=None):
+        self.scale = 1.0 / dp_size
+        self.group, self.dtype, self.algorithm, self.wire = group, dtype, algorithm, wire
+        self.replicas = ReplicaReduce(replicate_group, algorithm, wire=wire) if replicate_group is not None else None
+
+    def fill(self, out: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Write grad / N into `out` (a slot of the flat buffer); zeros where there is no gradient."""
+        if grad is None:
+            out.zero_()
+        else:
+            torch.mul(grad.reshape(out.shape), self.scale, out=out)  # the average over every data-parallel rank
+
+    def launch(self, shard: FlatShard, flat: torch.Tensor, reduced: torch.Tensor | None = None):
+        """Start reducing `flat` (shard.padded long, filled); returns (handle, this rank's slice).
+        `reduced` may be given (stage 1 reduces into its own bucket's slice, in place)."""
+        if reduced is None:
+            reduced = torch.empty(shard.shard_size, dtype=self.dtype, device=shard.device)
+        handle = comm.reduce_scatter_tensor(reduced, flat, group=self.group, async_op=True,
+                                            algorithm=self.algorithm, wire_dtype=self.wire)
+        if self.replicas is not None:
+            handle = self.replicas.after(handle, reduced)  # then summed across the replicas
+        return handle, reduced
+
+    @staticmethod
+    def finish(shard: FlatShard, reduced: torch.Tensor, extra: torch.Tensor | None = None) -> None:
+        """Add the reduced slice (plus `extra`, a gradient kept from an earlier backward) into the
+        master shard's gradient. The handle must have been waited for."""
+        grad = reduced.to(shard.master.dtype)  # no copy when the dtypes match
+        if extra is not None:
+            grad = grad + extra
+        shard.add_grad(grad)
 
 
 aten = torch.ops.aten

@@ -51,7 +51,7 @@ from minidist.parallel.compat import (BufferSync, check_materialised, check_not_
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import (FlatShard, FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces,
                                           order_by_group)
-from minidist.parallel.grad_reduce import ShardedGradReduce
+from minidist.parallel.sharded_grad import ShardedGradReduce
 from minidist.parallel.join import ShardedJoin
 from minidist.parallel.shard_optimizer import ModuleStateHooks, ShardOptimizer, parameter_groups, plain_module
 from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholders, local_grad
@@ -194,8 +194,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self.reduce_dtype = reduce_dtype or param_dtype or torch.float32
         self.grad_wire, self.param_wire = (wire_option(w, wires[2], what) for w, what in
                                            ((wires[0], "grad_wire"), (wires[1], "param_wire")))
-        # The one gradient reduction every stage performs (grad_reduce.py); with a mesh, each reduced
-        # shard is then summed across the replicas (HSDP's second level, grad_reduce.py).
+        # The one gradient reduction every stage performs (sharded_grad.py); with a mesh, each reduced
+        # shard is then summed across the replicas (HSDP's second level, sharded_grad.py).
         self._grad_reduce = ShardedGradReduce(
             dp_size=self.dp_size, group=self.process_group, dtype=self.reduce_dtype, algorithm=collectives,
             replicate_group=mesh.replicate_group if mesh is not None and mesh.replicate > 1 else None,
@@ -513,7 +513,7 @@ class ZeroStage12(ShardedDataParallel):
 
     What differs between them is where a bucket's full-size gradients live, which ZeroStage1 and
     ZeroStage2 say (_allocate, _release, _reduced_slice, _before_backward); the reduction itself
-    is the one every stage shares (grad_reduce.py)."""
+    is the one every stage shares (sharded_grad.py)."""
 
     def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 2,
                  bucket_cap_mb: float = 25.0, overlap: bool | None = None, process_group=None,

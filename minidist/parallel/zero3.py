@@ -361,7 +361,7 @@ class ZeroStage3(ShardedDataParallel):
         return hook
 
     def _reduce(self, u: _Unit) -> None:
-        """Fill the unit's gradients into a flat buffer, start its reduction (grad_reduce.py), free
+        """Fill the unit's gradients into a flat buffer, start its reduction (sharded_grad.py), free
         the full tensors."""
         shard = u.shard
         while len(self._inflight) >= self.max_inflight:
