@@ -1,59 +1,29 @@
-"""DiLoCo: the outer loop, and where each fragment's values live on a worker's ranks.
+"""DiLoCo and streaming DiLoCo: workers train apart for H steps, then average what they learned
+(what each setting does, and the proofs: docs/multinode.md, "Across slow links: DiLoCo").
 
-Where a DiLoCo fragment's values live on the ranks of one worker, and how its outer state moves.
-
-The outer loop (DiLoCo, below) works on each rank's *slice* of a fragment: it keeps the slice's outer
-weights and momentum, all_reduces the slice's pseudo-gradient across the workers, and writes the
-result back. A place says what that slice is:
-
-    Replicated     every rank of the worker holds the whole parameters (one rank, or DDP within
-                   the worker): rank s of S takes slice s of the flat fragment (padded to a
-                   multiple of S); written back, the slices are gathered within the worker
-    ShardedWithin  ZeRO within the worker: rank s already holds its pieces of the parameters in
-                   its fp32 master shards; its slice is those pieces, written in place
-
-Both give the whole fragment from every rank's slice (`whole`, a collective within the worker)
-and a rank's slice from a whole one (`slice`), so the outer state saved by one place, at one S,
-loads in the other, at any S.
-
-DiLoCo and streaming DiLoCo: workers train apart for H steps, then average what they learned.
-
-    outer = minidist.DiLoCo(net.parameters(), sync_every=8, outer_lr=0.7, outer_momentum=0.9)
+    outer = minidist.DiLoCo(net.parameters(), sync_every=8, outer_lr=0.5, outer_momentum=0.5)
     for x, y in batches:                      # each worker (a rank, or a host's ranks under DDP) its own
         loss_fn(net(x), y).backward()
         inner_optimizer.step(); inner_optimizer.zero_grad()
         outer.after_inner_step()              # every H steps: the outer step, across the workers
 
-DiLoCo (Douillard et al. 2023): each worker runs the inner optimizer on its own replica. Every
-H steps the *pseudo-gradient* of the round, start-of-round weights minus current weights, is
-averaged over the workers (one all_reduce) and handed to an outer optimizer, Nesterov SGD, that
-updates the start-of-round ("outer") weights; every worker continues from them. With H = 1,
-outer_lr = 1 and no momentum this is exactly data parallelism on a linear inner optimizer
-(SGD): the average of the workers' updated weights is the update by the averaged gradient.
+Every H steps the round's pseudo-gradient (start weights minus current ones) is averaged over the
+workers (one all_reduce) and an outer Nesterov SGD updates the start ("outer") weights. With H = 1,
+outer_lr = 1 and no momentum this is exactly data parallelism on SGD.
 
-Streaming DiLoCo (Douillard et al. 2025) splits the parameters into `fragments` synced at
-staggered steps (fragment f at the steps t with t mod H = (f+1) H / F), so the link carries
-1/F of the model at a time; each fragment's all_reduce starts `sync_delay` (tau) steps before
-its outer update and runs behind those inner steps. When it lands, the worker's fragment becomes
-the new outer weights, keeping `mixing` (alpha) of its own weights: p = lerp(global, local, alpha).
-`wire` (bf16, fp16, int8 with block scales) is what the pseudo-gradients travel as; they are
-summed in full precision (minidist.comm.wire), and the outer weights stay fp32.
+Where each rank sits: a worker is `worker_group` (S ranks holding the same weights) and
+`across_group` joins the ranks of the same place in the R workers; both must be groups of their
+own, so an outer all_reduce in flight never queues the inner steps' collectives behind it. Each
+rank owns 1/S of every fragment (its outer weights and momentum), all_reduces that slice across
+the workers, and a place says what the slice is:
 
-Where each rank sits: a worker is `worker_group` (the ranks of one inner data-parallel replica,
-which hold the same weights: S of them), and `across_group` joins the workers' ranks of the same
-place in them (R workers). Each rank owns 1/S of every fragment: it keeps that slice of the
-outer weights and momentum (8 bytes a parameter over S), all_reduces that slice's pseudo-gradient
-across the workers, and the worker's ranks all_gather the updated slices. What crosses between
-workers is the model once per round, whatever S. Both groups must be groups of their own (not
-the world's default group): an outer all_reduce in flight must not queue the inner steps'
-collectives behind it.
+    Replicated     every rank holds the whole parameters (one rank, or DDP within the worker):
+                   rank s takes slice s of the flat fragment; written back, the slices are gathered
+    ShardedWithin  ZeRO within the worker (`sharded_by=`): the slice is this rank's fp32 master
+                   shard pieces, read and written in place, then the wrapper gathers the parameters
 
-Under ZeRO within the worker (`sharded_by=` a ShardedDataParallel over the worker's ranks), a
-rank already holds its own 1/S of every parameter, in fp32: its master shards. The outer loop
-works on those pieces (the pseudo-gradient is taken from the masters, not from weights rounded
-to a compute dtype or a wire), writes the outer weights back into them, and the wrapper gathers
-the parameters again (refresh_parameters): the same exchange across workers, no copy of the
-whole model on any rank.
+Both give the whole fragment from every rank's slice and a slice from a whole one, so outer state
+saved by one place, at one S, loads in the other at any S.
 """
 
 from __future__ import annotations

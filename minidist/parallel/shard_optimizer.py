@@ -1,63 +1,25 @@
 """ZeRO's state as torch's APIs see it: the optimizer over the shards and its state dicts, and the
-module's state_dict / load_state_dict.
-
-The optimizer of ShardedDataParallel: the user's own, or one a factory builds, stepping this
-rank's master shards; and its state dicts.
+module's state_dict / load_state_dict. What users may call, and why the rest is refused:
+docs/drop_in.md ("The rank-0 optimizer snapshot", "state_dict() at stage 3") and docs/api.md.
 
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
     model = ShardedDataParallel(net, opt, stage=2)    # opt now steps this rank's shards
-    ...; opt.step(); sched.step()                     # unchanged: the scheduler sets group["lr"]
 
-Adopting a built optimizer. Its parameter groups say which options each parameter gets, so the
-flat shards are laid out group by group and each rank's master shard is cut into one piece per
-group (flat_shard.py). The optimizer's groups are then rebound in place to their pieces: the
-object the script holds, and any scheduler built on it, steps the shards, with each group's
-options. State it already held (a checkpoint loaded before wrapping, as minGPT does) is re-cut
-into the shards. A factory (`functools.partial(torch.optim.AdamW, lr=3e-4)`) is the one-group
-case: it is called with the pieces.
+Adopting a built optimizer: its groups say which options each parameter gets, so the flat shards
+are laid out group by group and each rank's master shard is cut into one piece per group
+(flat_shard.py); the groups are rebound in place to their pieces, so the object the script holds
+and any scheduler on it step the shards. State it already held (a checkpoint loaded before
+wrapping) is re-cut into the shards. A factory is the one-group case. Only element-wise
+optimizers are exact on flat slices (each element's update depends on its own gradient and
+state alone); others are refused until declared (`register_elementwise_optimizer`).
 
-Only element-wise optimizers are exact on flat slices of many parameters (each element's update
-depends on its own gradient and state alone): SGD, Adam, AdamW and torch's other element-wise
-ones. Adafactor, Muon and LBFGS are not, and are refused; a class of your own is refused until
-you declare it element-wise (`register_elementwise_optimizer`).
-
-State dicts, as scripts use them:
-- `optimizer.state_dict()` is refused when called, naming the two that work: it would hold this
-  rank's shard only, which a plain optimizer (the snapshot loaded before wrapping) cannot load and
-  a rank-0 snapshot would hand every rank (the padded shards have equal shapes: nothing else would
-  notice). A per-piece state carries its place (rank, ranks, stage, layout) under TAG, and loads
-  only there.
-- `full_state_dict()` (a collective) is the state an unsharded optimizer over the user's
-  parameters would hold, numbered as its groups list them: what a native DDP script's
-  `optimizer.state_dict()` saves. `optimizer.load_state_dict()` of such a full state (ours, or
-  a native optimizer's over the same groups, or DCP's full optimizer state of a fully_shard
-  model, keyed by parameter name) works on every rank: each takes its own slice.
-
-`state_dict()` and `load_state_dict()` of a module wrapped by ShardedDataParallel.
-
-Users save and load the way they do with native DDP: `torch.save(model.module.state_dict())`,
-`net.state_dict()`, `model.load_state_dict(...)`. Hooks on the wrapped module (the
-original one, also when it was torch.compile'd) make each of these give native's result
-or fail at once:
-
-- stages 1-2: the updated parameters are all_gathered asynchronously after
-  `optimizer.step()`; `state_dict()` waits for them, so it never returns the previous
-  step's values. `load_state_dict()` waits too (an in-flight gather would overwrite what
-  was loaded), then also writes the loaded values into this rank's fp32 master shards:
-  otherwise the next step would start from the old masters and gather them back over
-  the loaded parameters.
-- stages 1-2 with a param_wire: the parameters are the wire's rounding of the masters, so
-  `state_dict()` refuses as stage 3's does (a checkpoint of it would resume from rounded
-  values), naming full_state_dict() / sharded_state_dict().
-- stage 3: the parameters hold no values between uses, and gathering them would be a
-  collective that `if rank == 0: torch.save(model.state_dict())` would leave the other
-  ranks out of (a hang). So `state_dict()` refuses, naming `full_state_dict()` (a
-  collective, every rank calls it) and `sharded_state_dict()` (per rank, no
-  communication). `state_dict(keep_vars=True)` still lists the live parameters (no
-  values), for code that inspects keys and shapes. `load_state_dict()` of a full state
-  dict works on every rank without communication: each rank keeps its own slice.
+A per-piece optimizer state carries its place (rank, ranks, stage, layout) under TAG and loads
+only there; `full_state_dict()` numbers the state as an unsharded optimizer over the user's
+groups would, and loading such a state (ours, a native optimizer's, DCP's keyed by name) has
+each rank take its slice. Module hooks (ModuleStateHooks) make `state_dict()` wait for the
+pending gathers (stages 1-2) and refuse where the parameters are not the values to save (stage
+3, a param_wire), and make `load_state_dict()` write the master shards too.
 """
 
 from __future__ import annotations

@@ -1,110 +1,37 @@
-"""When things go wrong, in one place: fault injection (to prove recovery), failed collectives named,
-NCCL's flight recorder, bytes between hosts, the failure report and the heartbeat that notices a lost host.
-(Stop signals: stop_signal.py, which imports no torch.)
+"""When things go wrong, in one place: fault injection, failed collectives named, NCCL's flight
+recorder, bytes between hosts, the failure report and the heartbeat that notices a lost host.
+What each does for a user, and its settings: docs/multinode.md ("Elastic restart" to "Bad
+numbers"); stop signals: stop_signal.py, which imports no torch.
 
-Fault injection, to prove recovery: a rank dies, stalls, or produces nan gradients.
+Fault injection (FaultPlan, parsed once, asked at each step): a planned kill writes and syncs a
+marker in <run dir>/faults/ before the SIGKILL, so the restarted group runs through it; a
+stall sleeps for good (the others must fail after launcher.timeout_s); a nan loses one loss.
 
-    torchrun --max-restarts 2 --nproc_per_node 2 recipes/train.py hydra.run.dir=runs/a \
-        debug.kill_rank=1 debug.kill_at_step=12
+Failures in one line: `collective_failure` turns what the backend raises into a message naming
+the step and the collective this rank waited for (minidist.comm's tracer for our strategies,
+generically for native ones). Each rank prints that line, logs the traceback, and leaves
+logs/rank_N.failure.json, from which the launcher names the rank that failed first
+(`who_failed_first`): the one that stalled or died, not the survivors that timed out on it.
+On NCCL the wait is on the GPU and the watchdog ends the process before Python can name
+anything, so every run turns on NCCL's flight recorder (the user's exported settings win) and
+the failure line names its dumps.
 
-Rank `kill_rank` dies by SIGKILL right after optimizer step `kill_at_step` (before that
-step's checkpoint, so recovery has work to redo); with debug.kill_during=save, during that
-step's checkpoint instead, once its own files are written and before the folder is renamed
-(the save must then leave nothing that looks like a checkpoint). Each kill happens once per run directory:
-a marker file in <run dir>/faults/ is written (and synced) first, so the group torchrun
-restarts resumes from the latest complete checkpoint and runs through. Several kills:
-lists of the same length, e.g. debug.kill_rank=[1,3,0] debug.kill_at_step=[120,480,777].
+Bytes between hosts: the theory is what the ring model sends to a peer on another host (host =
+rank // ranks per host), plus the most TCP packets that payload can take, each with headers and
+an ACK (FRAME_OVERHEAD); the measure is the namespace's transmit counters (/proc/net/dev,
+loopback excluded), read by each host's local rank 0 after the first and the last step, so
+start-up stays out. scripts/multinode_local.sh compares the two.
 
-debug.stall_rank / debug.stall_at_step: that rank stops participating before that step (it
-sleeps, as a rank stuck in a data loader or a deadlock would); the others must fail after
-launcher.timeout_s (collective_failure, below, names what they waited for).
-debug.nan_rank / debug.nan_at_step: that rank's loss becomes nan at that step.
-debug.step_delay_s: every rank sleeps this long before each step (a slow model, without one: so
-that a host can be lost, or come back, while the run is still going).
-
-The trainer parses the plan once (FaultPlan) and asks it at each step.
-
-A rank that stops participating becomes an error on every other rank, not a hang.
-
-Every collective gives up after launcher.timeout_s (init_distributed passes it to the
-process group); a dead peer fails its collectives at once (the connection closes).
-`collective_failure` turns what the backend raises into one message naming the step and
-the collective this rank was waiting for — from minidist.comm's tracer for our strategies,
-generically for native ones — and the launcher then stops every rank and exits non-zero.
-
-The test stalls a rank with debug.stall_rank / debug.stall_at_step (FaultPlan, above).
-
-What a stuck NCCL collective leaves behind for the person who has to find it.
-
-On gloo a collective that times out raises in the rank that called it, and collective_failure
-names the step and the collective. On NCCL the waiting happens on the GPU: the host never blocks inside a
-collective (wait() only makes a stream wait), and at launcher.timeout_s NCCL's watchdog thread
-tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING's default) before Python code can name
-anything. So every run switches on NCCL's flight recorder: each rank keeps a record of its last
-collectives (op, sizes, process group, scheduled / started / completed) and the watchdog dumps
-it, when it fires, into the run's logs folder. The launcher's failure message then says where
-the dumps are and how to read them: torch's fr_trace reports the first collective the ranks
-disagree on. Settings the user exported win (os.environ.setdefault).
-
-Bytes that cross between hosts per step: predicted from the collectives, measured by the kernel.
-
-Theory: a ring collective sends everything a rank sends (CommRecord.sent_bytes, the ring
-model) to its successor in the group's ring, or, for our ring's small collectives, an equal
-share to each peer. Those bytes leave the host when the receiver lives on another host (launchers number each host's ranks contiguously: host = rank // ranks per host, minidist.dist.ranks_per_host).
-Summed over the ranks, that is the payload between hosts the algorithm implies; with it, the
-most TCP packets that payload can take (each costs FRAME_OVERHEAD bytes of headers, and its
-ACK as much again), which bounds what the wire adds.
-
-Measured: the transmit byte counters of the host's network interfaces (/proc/net/dev, this
-process's network namespace, loopback excluded), read by each host's local rank 0 after the
-first step and after the last one, so start-up (rendezvous, the initial broadcast) stays out.
-It includes what the model leaves out: Ethernet/IP/TCP headers, the receivers' ACKs, the
-trainer's small metric all_reduces and torchrun's store traffic. scripts/multinode_local.sh
-compares the two on emulated hosts.
-
-A rank that stops with an error says so in one line; the traceback goes to its log file.
-
-A run that fails on 8 ranks used to print 8 tracebacks, most of them the survivors' view of
-the same event (gloo's "Connection reset by peer" when a peer died). Each rank now prints
-
-    error: rank 0 stopped after step 12: CollectiveFailure: step 13: all_reduce of 41,216 bytes (ring) did not complete
-    on this rank: ... ; torchrun restarts the group (restart 1 of 2) from checkpoints/step_00000010;
-    traceback in runs/a/logs/rank_0.log
-
-and exits with status 1, so the launcher (torchrun, or `python recipes/train.py`'s own) sees
-the failure and stops or restarts the group as configured.
-
-Each rank also leaves a record (logs/rank_N.failure.json: when, after which step, and whether it
-failed on its own or waiting for a peer), from which our launcher names the ranks that failed
-first (`who_failed_first`): the one that stalled or died, not the survivors that timed out on it.
-
-A host that vanishes is noticed within launcher.peer_timeout_s, not after launcher.timeout_s.
-
-A rank whose peer process dies learns it at once: the peer's kernel closes its connections,
-and the collective fails. A host that loses power or its network sends nothing: gloo (and
-NCCL) wait out the whole collective timeout, minutes, before torchrun can re-form the group.
-So every rank beats, through the launch's store (torchrun's agent store, or MASTER_ADDR's):
-
-    watch = PeerWatch.start(ctx, peer_timeout_s, step=lambda: trainer.step, run_dir=run_dir)
-    ...
-    watch.stop()   # the end of the run: this rank's beat says "done", never "gone"
-
-A background thread, every `interval_s`, bumps this rank's counter and reads its two ring
-neighbours' counters and one shared "lost" key. A neighbour whose counter has not moved for
-`peer_timeout_s` since it last moved (on this rank's own clock: no clock is compared across
-hosts; a neighbour is watched from its first beat on, so a slow start is no loss) is gone: this
-rank writes "lost" (so every other rank learns it within one interval, whatever it watches),
-says so in one line and exits with status 1 (os._exit: the training thread may be inside a
-collective that cannot be interrupted). torchrun then sees its workers fail and re-forms the
-group from the hosts that remain (--nnodes MIN:MAX), and the trainer resumes from the latest
-checkpoint at the new world size. The store that carries the beats is served by the
-rendezvous host: that host must be one that survives (as torchrun's c10d rendezvous requires
-anyway). If the store itself stops answering, the watch ends (said in the rank's log): without
-torchrun it is rank 0's process that serves it, gone as soon as rank 0 has finished, which is
-no loss; and torchrun's agents notice a lost rendezvous host themselves.
-
-Each rank reads three keys per interval, whatever the world size. A stuck but living rank
-still beats: that is launcher.timeout_s's to catch.
+The heartbeat (PeerWatch): a host that loses power or its link sends nothing, and collectives
+would wait out launcher.timeout_s. A thread bumps this rank's counter in the launch's store
+every interval and reads its two ring neighbours' counters and one shared "lost" key (three
+reads, whatever the world size). A neighbour whose counter has not moved for peer_timeout_s,
+on this rank's own clock (none is compared across hosts; a neighbour is watched from its first
+beat, so a slow start is no loss), is gone: this rank writes "lost", says so in one line and
+exits at once (os._exit: the training thread may be inside a collective). torchrun re-forms
+the group from the hosts left. A finished rank's beat says "done", never "gone". The store is
+served by the rendezvous host, which must survive; if it stops answering the watch ends. A
+stuck but living rank still beats: that is launcher.timeout_s's to catch.
 """
 
 from __future__ import annotations
@@ -535,8 +462,6 @@ class PeerWatch:
 def leave_the_group(why: str, rank: int, step: int | None, run_dir: Path) -> None:
     """Say in one line that this rank leaves because a peer is gone, leave the failure record the
     launcher reads, and exit at once (the training thread may be blocked inside a collective)."""
-    from minidist.train.run_files import RunDirectoryUnwritable, append_file
-
     where = f" after step {step}" if step is not None else ""
     line = f"error: rank {rank} stopped{where}: PeerLost: {why}; {restart_plan(run_dir)}"
     try:
