@@ -47,7 +47,7 @@ from minidist.parallel.buckets import (Bucket, BucketedBackward, GradientSyncSwi
 from minidist.parallel.comm_hooks import BUILTIN_HOOKS, PowerSGD, WireAllReduce, allreduce_hook
 from minidist.parallel.compat import (BufferSync, check_devices, check_materialised, check_not_wrapped, mark_wrapped,
                                       process_group_of, refuse_unknown)
-from minidist.parallel.join import FORWARD, final_sync, global_rank
+from minidist.parallel.join import DataParallelJoin
 
 
 def check_same_parameters(module: nn.Module, group=None) -> None:
@@ -83,7 +83,7 @@ def _describe(entry) -> str:
     return "nothing" if entry is None else f"{entry[0]!r} shape {list(entry[1])} {entry[2]}"
 
 
-class DataParallel(GradientSyncSwitch, nn.Module):
+class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
     """Data-parallel wrapper: replicas stay identical because every step averages gradients.
 
     Args:
@@ -300,51 +300,10 @@ class DataParallel(GradientSyncSwitch, nn.Module):
 
     # ----------------------------------------------------------------------- API
 
-    _join = None  # the minidist.Join this model runs under, if any
-
     def forward(self, *args, **kwargs):
-        src = None
-        if self._join is not None:  # uneven inputs: tell the ranks that left what this forward does
-            notice = self._join.announce(self, FORWARD, buffers_due=self._buffer_sync.due,
-                                         will_sync=torch.is_grad_enabled() and self._sync_enabled)
-            src = global_rank(self, notice.authoritative)
+        src = self._join_forward()  # under Join: tell the ranks that left what this forward does
         self._buffer_sync.before_forward(self._sync_enabled, src=src)
         return self.module(*args, **kwargs)
-
-    # ----------------------------------------------------------------------- Join (uneven inputs)
-
-    def _join_device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
-
-    def _join_group(self):
-        return self.process_group, self.world_size  # the ranks that exchange Join's notices
-
-    def _join_extra_size(self) -> int:
-        return 0  # a DataParallel notice carries nothing beyond the common fields
-
-    def _shadow_one_iteration(self, join) -> bool:
-        """On a rank that has left its loop: mirror one iteration of the ranks still training.
-        False once none is."""
-        notice = join.listen(self)
-        if not notice.active:
-            return False
-        if notice.buffers_due:
-            self._buffer_sync.broadcast(global_rank(self, notice.authoritative))
-        if notice.will_sync:
-            with torch.no_grad():  # their backward's collectives, with zero gradients
-                for bucket in self._buckets:
-                    bucket.buffer.zero_()
-                handles = [self._launch(bucket) for bucket in self._buckets]
-                if self.find_unused_parameters and self.world_size > 1:
-                    comm.all_reduce(torch.zeros(len(self._params), dtype=torch.int32, device=self._join_device()),
-                                    group=self.process_group)
-                for handle in handles:
-                    handle.wait()
-        return True
-
-    def _take_final_state(self, join) -> None:
-        final_sync(self, join, [p.data for p in self.module.parameters()] + [b.data for b in self.module.buffers()])
-        self._buffer_sync.set_due(True)  # every rank alike from here on
 
     def full_state_dict(self) -> dict:
         """The wrapped module's state_dict (already complete on every rank: nothing is sharded)."""

@@ -101,13 +101,15 @@ class ShardedWithin:
 
     def __init__(self, params: list[torch.Tensor], model):
         self.model, self.group = model, model.process_group
-        self.views = [model.master_view(p) for p in params]
+        slots = [model.shard_slot(p) for p in params]
+        self.views = [shard.owned_master(k) for shard, k in slots]  # empty where this rank owns none
         self.numel = sum(p.numel() for p in params)
         # Where each rank's slice lies in the whole fragment: (offset, length) per piece, in order.
         self.layout: list[list[tuple[int, int]]] = [[] for _ in range(model.world_size)]
         offset = 0
-        for p in params:
-            for r, (a, b) in enumerate(model.master_owners(p)):
+        for p, (shard, k) in zip(params, slots):
+            for r in range(model.world_size):
+                a, b = shard.owned_range(k, r)
                 if b > a:
                     self.layout[r].append((offset + a, b - a))
             offset += p.numel()

@@ -16,8 +16,8 @@ next collective until the timeout. Under Join, native DDP's protocol
   gradients? are buffers broadcast first?) and, for ShardedDataParallel, before a clip and
   before an optimizer step, since those are collectives over shards too.
 - A rank that has left its loop (Join's exit) all_reduces an empty notice per notice of the
-  others and mirrors what it announces (DataParallel: `_shadow_one_iteration` in ddp.py;
-  ShardedDataParallel: join.py). When no rank is active any more, everyone leaves.
+  others and mirrors what it announces (DataParallelJoin, ShardedJoin: the mixins below, each
+  wrapper's one seam with Join). When no rank is active any more, everyone leaves.
 - Gradients stay divided by the initial world size (native's divide_by_initial_world_size):
   a rank that left adds zeros.
 - Buffers are broadcast from the highest rank still active (a rank that left has stale ones);
@@ -175,6 +175,53 @@ def final_sync(model, join: Join, tensors: list[torch.Tensor]) -> None:
         return
     with torch.no_grad():
         broadcast_coalesced(tensors, src=global_rank(model, join.last.authoritative), group=group)
+
+
+class DataParallelJoin:
+    """Mixin for DataParallel: announce each forward under Join, shadow it after leaving (its
+    backward's all_reduces with zero gradients)."""
+
+    _join = None  # the minidist.Join this model runs under, if any
+
+    def _join_forward(self) -> int | None:
+        """Called first in forward; returns the buffer-broadcast source (None: the usual one)."""
+        if self._join is None:
+            return None
+        notice = self._join.announce(self, FORWARD, buffers_due=self._buffer_sync.due,
+                                     will_sync=torch.is_grad_enabled() and self._sync_enabled)
+        return global_rank(self, notice.authoritative)
+
+    def _join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    def _join_group(self):
+        return self.process_group, self.world_size  # the ranks that exchange Join's notices
+
+    def _join_extra_size(self) -> int:
+        return 0  # a DataParallel notice carries nothing beyond the common fields
+
+    def _shadow_one_iteration(self, join) -> bool:
+        """Mirror one iteration of the ranks still training; False once none is."""
+        notice = join.listen(self)
+        if not notice.active:
+            return False
+        if notice.buffers_due:
+            self._buffer_sync.broadcast(global_rank(self, notice.authoritative))
+        if notice.will_sync:
+            with torch.no_grad():  # their backward's collectives, with zero gradients
+                for bucket in self._buckets:
+                    bucket.buffer.zero_()
+                handles = [self._launch(bucket) for bucket in self._buckets]
+                if self.find_unused_parameters and self.world_size > 1:
+                    comm.all_reduce(torch.zeros(len(self._params), dtype=torch.int32, device=self._join_device()),
+                                    group=self.process_group)
+                for handle in handles:
+                    handle.wait()
+        return True
+
+    def _take_final_state(self, join) -> None:
+        final_sync(self, join, [p.data for p in self.module.parameters()] + [b.data for b in self.module.buffers()])
+        self._buffer_sync.set_due(True)  # every rank alike from here on
 
 
 class ShardedJoin:

@@ -341,28 +341,18 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         return total
 
     # -- the master shards, for an outer loop that updates them itself (minidist.DiLoCo)
-    def master_view(self, p: nn.Parameter) -> torch.Tensor:
-        """This rank's part of parameter `p` (flattened) in its fp32 master shard: a 1-D view,
-        empty where this rank owns none of it. Write it only between `wait_for_parameters()` and
-        `refresh_parameters()`."""
-        shard, k = self._slot_for(p)
-        return shard.owned_master(k)
-
-    def master_owners(self, p: nn.Parameter) -> list[tuple[int, int]]:
-        """For each rank of the shard group, the [start, end) of `p` (flattened) its master shard
-        holds (start == end: none); master_view(p) is this rank's."""
-        shard, k = self._slot_for(p)
-        return [shard.owned_range(k, r) for r in range(self.world_size)]
+    def shard_slot(self, p: nn.Parameter) -> tuple[FlatShard, int]:
+        """The FlatShard holding parameter `p`, and p's index in it: its fp32 master values on
+        this rank are `shard.owned_master(k)`, each rank's range `shard.owned_range(k, r)`. Write
+        them only between `wait_for_parameters()` and `refresh_parameters()`."""
+        if id(p) not in self._slot_by_id:
+            raise ValueError("ShardedDataParallel: that parameter is not one of the wrapped module's trained ones")
+        return self._slot_by_id[id(p)]
 
     def refresh_parameters(self) -> None:
         """The master shards were written from outside the optimizer: make the module's parameters
         follow them, as after a step (stages 1-2 gather them again, stage 3's next forward does)."""
         self._after_optimizer_step()
-
-    def _slot_for(self, p: nn.Parameter) -> tuple[FlatShard, int]:
-        if id(p) not in self._slot_by_id:
-            raise ValueError("ShardedDataParallel: that parameter is not one of the wrapped module's trained ones")
-        return self._slot_by_id[id(p)]
 
     def full_state_dict(self, rank0_only: bool = False) -> dict:
         """The complete, unsharded state_dict of the wrapped module (same keys), fp32 parameters.
