@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from minidist import comm
+from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
 from minidist.parallel.buckets import Bucket
 from minidist.parallel.sharded_grad import ReplicaReduce
 
@@ -235,3 +236,21 @@ class _PowerStep:
             for _, view in self.vectors:
                 view.copy_(self.flat[offset:offset + view.numel()].view_as(view))
                 offset += view.numel()
+
+
+def resolve_hook(comm_hook, grad_wire=None, quant_block: int = QUANT_BLOCK):
+    """DataParallel's comm_hook and grad_wire arguments as the one hook its buckets call."""
+    if comm_hook == "powersgd":
+        comm_hook = PowerSGD()  # stateful: one per model
+    elif isinstance(comm_hook, str):
+        if comm_hook not in BUILTIN_HOOKS:
+            raise ValueError(f"unknown comm_hook {comm_hook!r}; choose from "
+                             f"{sorted([*BUILTIN_HOOKS, 'powersgd'])} or pass a callable")
+        comm_hook = BUILTIN_HOOKS[comm_hook]
+    if grad_wire is not None:
+        if comm_hook not in (None, allreduce_hook):
+            raise ValueError(f"DataParallel: grad_wire={grad_wire!r} chooses how the all_reduce sends gradients, "
+                             f"which comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} replaces: give one "
+                             "of them")
+        comm_hook = WireAllReduce(Wire(as_wire(grad_wire).name, block=int(quant_block)))
+    return comm_hook or allreduce_hook

@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
+from minidist.comm.wire import QUANT_BLOCK
 from minidist.measure import measure, optimizer_tensors
 from minidist.parallel.buckets import (Bucket, BucketedBackward, GradientSyncSwitch, MiB, broadcast_coalesced,
                                        plan_buckets)
-from minidist.parallel.comm_hooks import BUILTIN_HOOKS, PowerSGD, WireAllReduce, allreduce_hook
+from minidist.parallel.comm_hooks import resolve_hook
 from minidist.parallel.compat import (BufferSync, check_devices, check_materialised, check_not_wrapped, mark_wrapped,
                                       process_group_of, refuse_unknown)
 from minidist.parallel.join import DataParallelJoin
@@ -154,20 +154,7 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         self.source_rank = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = broadcast_buffers
-        if comm_hook == "powersgd":
-            comm_hook = PowerSGD()  # stateful: one per model
-        elif isinstance(comm_hook, str):
-            if comm_hook not in BUILTIN_HOOKS:
-                raise ValueError(f"unknown comm_hook {comm_hook!r}; choose from "
-                                 f"{sorted([*BUILTIN_HOOKS, 'powersgd'])} or pass a callable")
-            comm_hook = BUILTIN_HOOKS[comm_hook]
-        if grad_wire is not None:
-            if comm_hook not in (None, allreduce_hook):
-                raise ValueError(f"DataParallel: grad_wire={grad_wire!r} chooses how the all_reduce sends gradients, "
-                                 f"which comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} replaces: give one "
-                                 "of them")
-            comm_hook = WireAllReduce(Wire(as_wire(grad_wire).name, block=int(quant_block)))
-        self.comm_hook = comm_hook or allreduce_hook
+        self.comm_hook = resolve_hook(comm_hook, grad_wire, quant_block)
         self._cap_bytes = int(bucket_cap_mb * MiB)
         self._first_cap_bytes = int(first_bucket_mb * MiB)
         self._last_cap_bytes = None if last_bucket_mb is None else int(last_bucket_mb * MiB)
