@@ -233,7 +233,7 @@ def allocate_and_free(mib: int) -> tuple[int, int]:
 
 def launch_fresh(fn, nproc: int, args: tuple) -> dict:
     """fn(*args) on `nproc` newly started local ranks with the mmap threshold set; rank -> result."""
-    from minidist.dist import run_local
+    from minidist.train.app import run_local
 
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD

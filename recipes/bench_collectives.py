@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 import minidist
 from minidist import comm
 from minidist.benchmarking import require_known, slowest
-from minidist.dist import run_recipe
+from minidist.train.app import run_recipe
 from minidist.train.app import hydra_app
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 import minidist
 from minidist import comm
 from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
-from minidist.dist import run_recipe
+from minidist.train.app import run_recipe
 from minidist.train.app import hydra_app
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")  # those the ring implements

@@ -184,7 +184,7 @@ def shutdown_with_transfers_in_flight() -> bool:
 
 @pytest.mark.slow(stand_in="test_ring_collectives_equal_the_backend")  # fresh ranks: shutdown ends their group
 def test_shutdown_waits_for_ring_calls_in_flight():
-    from minidist.dist import run_local
+    from minidist.train.app import run_local
 
     assert all(run_local(shutdown_with_transfers_in_flight, nproc=2).values())
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.dist import run_recipe
+from minidist.train.app import run_recipe
 
 
 # --------------------------------------------------------------------------- presentation

@@ -18,7 +18,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from minidist.compare.report import base_of
-from minidist.dist import RanksFailed, launch_rank, run_ranks
+from minidist.dist import launch_rank
+from minidist.train.app import RanksFailed, run_ranks
 from minidist.train.config import ConfigError
 from minidist.train.strategies import names as strategy_names, spec
 

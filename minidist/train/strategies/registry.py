@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from minidist import comm
