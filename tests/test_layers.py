@@ -147,3 +147,21 @@ def test_the_scan_finds_each_way_of_calling_a_collective():
               "    dist.get_rank(); dist.new_group([0])\n")
     assert [line.split(": ", 1)[1] for line in direct_collective_calls(source, "x.py")] == \
         ["dist.all_reduce", "torch.distributed.barrier", "d2.isend", "bc (torch.distributed.broadcast)"]
+
+
+# The core reading path (docs/architecture.md, "the core"): what a reader opens to follow a
+# gradient from loss.backward() to the optimizer under DataParallel and ZeRO 1-3. Extras (comm
+# hooks, wires, Join, DiLoCo) plug in at their seams outside it.
+CORE = ["dist.py", "comm/__init__.py", "comm/ring.py", "parallel/buckets.py", "parallel/ddp.py", "parallel/zero.py",
+        "parallel/zero3.py", "parallel/flat_shard.py", "parallel/sharded_grad.py", "parallel/shard_optimizer.py",
+        "parallel/compat.py"]
+CORE_LINES, CORE_FILES, MODULES = 4500, 14, 50  # issue 42's budgets
+
+
+def test_the_core_and_the_package_stay_within_their_budgets():
+    lines = {f: len((ROOT / "minidist" / f).read_text().splitlines()) for f in CORE}
+    assert len(CORE) <= CORE_FILES and sum(lines.values()) <= CORE_LINES, (
+        f"the core reading path is {sum(lines.values())} lines in {len(CORE)} files (budget {CORE_LINES} in "
+        f"{CORE_FILES}): move what a reader of DataParallel and ZeRO does not need behind a seam, or cut it; {lines}")
+    modules = sorted((ROOT / "minidist").rglob("*.py"))
+    assert len(modules) <= MODULES, f"{len(modules)} modules in minidist/ (budget {MODULES}): join one into another"

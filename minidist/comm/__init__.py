@@ -4,7 +4,7 @@ Each wrapper mirrors torch.distributed's call (global ranks for src/dst) and tak
 `async_op`: synchronous calls return None, asynchronous ones a `Handle` whose
 `wait()` blocks until that one operation is done.
 
-Funnelling every call through here buys one thing: `CommTracer` sees all
+Funnelling every call through here buys one thing: `CommTracer` (minidist.measure) sees all
 communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
 rank" are measured, not computed from formulas.
 
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -36,7 +34,7 @@ from minidist.comm import ring
 from minidist.comm import wire as _wire
 from minidist.comm.wire import Wire  # noqa: F401  (public API)
 from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
-from minidist.measure import Span
+from minidist.measure import CommRecord, CommTracer, Span, ring_bytes_sent  # noqa: F401  (public API)
 
 ReduceOp = dist.ReduceOp
 
@@ -44,122 +42,6 @@ ReduceOp = dist.ReduceOp
 # use whichever this torch offers so neither old nor new releases warn.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# --------------------------------------------------------------------------- tracing
-
-
-@dataclass
-class CommRecord:
-    """One communication call as the tracer saw it."""
-
-    op: str
-    bytes: int            # payload S of the call (see `ring_bytes_sent` for which tensor)
-    dtype: str
-    group_size: int
-    async_op: bool
-    issued: float         # perf_counter() when the call was made
-    completed: float | None = None  # when it returned (sync) or wait() returned (async)
-    sent_bytes: float = 0.0         # bytes this rank sends under the ring model
-    algorithm: str = "backend"      # "backend" (torch.distributed's collective) or "ring" (minidist.comm.ring)
-    blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
-    group_ranks: tuple = ()         # the group's members, as world ranks (tells a mesh's groups apart)
-    # On NCCL the host is never blocked (wait() only makes the current stream wait): the time the
-    # current stream stalled on the collective, as CUDA-event spans around the call / each wait().
-    device_timed: bool = False
-    device_spans: list = field(default_factory=list)
-
-    @property
-    def duration(self) -> float | None:
-        return None if self.completed is None else self.completed - self.issued
-
-    def blocked_seconds(self) -> float:
-        """Time the computation waited for this call: on the stream's clock where the call was
-        device-timed (NCCL), on the host's otherwise. Reading device spans waits for them."""
-        return sum(s.seconds() for s in self.device_spans) if self.device_timed else self.blocked_s
-
-    def pending(self) -> bool:
-        """Not finished: never waited for, or (device-timed) its wait not yet passed on the stream."""
-        return self.completed is None or not all(s.done() for s in self.device_spans)
-
-
-def ring_bytes_sent(op: str, nbytes: int, n: int, is_root: bool = False) -> float:
-    """Bytes one rank sends for `op` on `n` ranks under the ring model.
-
-    nbytes is S: the tensor for all_reduce / broadcast / reduce / send, the *total*
-    (gathered output or scattered input) for all_gather, reduce_scatter, gather, scatter.
-    """
-    if n <= 1 or op in ("barrier", "recv", "irecv", "all_gather_object"):
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    if op in ("broadcast", "reduce", "send", "isend"):
-        return float(nbytes)
-    if op == "scatter":  # the root sends every other rank its chunk
-        return (n - 1) / n * nbytes if is_root else 0.0
-    if op == "gather":   # every non-root sends its chunk to the root
-        return 0.0 if is_root else nbytes / n
-    raise ValueError(f"unknown op {op!r}")
-
-
-class CommTracer:
-    """Records every minidist.comm call made while it is active (a context manager).
-
-    Tracers nest: every active tracer records each call.
-    """
-
-    _active: list["CommTracer"] = []
-
-    def __init__(self) -> None:
-        self.records: list[CommRecord] = []
-
-    def __enter__(self) -> "CommTracer":
-        CommTracer._active.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        CommTracer._active.remove(self)
-
-    def clear(self) -> None:
-        self.records.clear()
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        """Per op: number of calls, payload bytes and ring-model bytes sent by this rank."""
-        out: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
-        for r in self.records:
-            row = out[r.op]
-            row["calls"] += 1
-            row["bytes"] += r.bytes
-            row["sent_bytes"] += r.sent_bytes
-        return dict(out)
-
-    def sent_bytes_by_group(self) -> dict[tuple, float]:
-        """Ring-model bytes this rank sent, per group (keyed by the group's world ranks)."""
-        out: dict[tuple, float] = defaultdict(float)
-        for r in self.records:
-            out[r.group_ranks] += r.sent_bytes
-        return dict(out)
-
-    def calls(self, op: str) -> list[CommRecord]:
-        return [r for r in self.records if r.op == op]
-
-    @property
-    def total_sent_bytes(self) -> float:
-        return sum(r.sent_bytes for r in self.records)
-
-    @property
-    def blocked_s(self) -> float:
-        """Time the computation spent waiting for communication: the part not hidden behind it
-        (the host thread's on gloo; the current CUDA stream's on NCCL, read from its events)."""
-        return sum(r.blocked_seconds() for r in self.records)
-
-    def format_summary(self) -> str:
-        lines = [f"{'op':<16}{'calls':>7}{'bytes':>14}{'sent (ring)':>14}"]
-        for op, row in sorted(self.summary().items()):
-            lines.append(f"{op:<16}{row['calls']:>7}{row['bytes']:>14,}{row['sent_bytes']:>14,.0f}")
-        return "\n".join(lines)
 
 
 def _record(op: str, nbytes: int, dtype: torch.dtype | None, group, async_op: bool,

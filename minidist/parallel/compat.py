@@ -1,25 +1,10 @@
 """What the wrappers share with native PyTorch's ways, in one place: the native DDP and FSDP2 arguments they
 accept, communication kept out of torch.compile's graphs, and native DDP's buffer broadcast rule.
 
-The arguments GPU scripts pass to native DDP and FSDP2, as the wrappers take them.
-
-    DataParallel(net, device_ids=[local_rank], output_device=local_rank, static_graph=True)
-    ShardedDataParallel(net, opt, stage=3, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
-                        reshard_after_forward=False)
-
-Each has a meaning here, or is refused naming why (never a bare TypeError, never ignored when
-ignoring it would change the result):
-
-- device_ids / output_device (DDP): one device per process, the module's own. Accepted when
-  they name the device the module's parameters are on; otherwise refused, since minidist
-  computes where the module is (move it first, as native DDP also requires).
-- dim (DDP): only scatters inputs across the devices of one process, which neither does.
-- static_graph, check_reduction (DDP): hints with no effect on the result.
-- init_sync=False (DDP): the ranks already agree, so the initial broadcast is skipped.
-- device_mesh (DDP) / mesh (FSDP2): a 1-D DeviceMesh stands for its process group.
-- mp_policy (FSDP2): param_dtype, reduce_dtype, output_dtype, cast_forward_inputs.
-- reshard_after_forward (FSDP2): stage 3 keeps each unit gathered from its forward to its
-  backward when False (FSDP2's ZeRO-2-like mode); stages 1-2 never reshard.
+The arguments GPU scripts pass to native DDP and FSDP2 (device_ids, static_graph, init_sync,
+mp_policy, reshard_after_forward, ...) each have a meaning here or are refused naming why, never
+a bare TypeError and never ignored where ignoring them would change the result (the list:
+docs/drop_in.md, "Native arguments").
 
 `eager`: keep communication out of torch.compile's graphs.
 

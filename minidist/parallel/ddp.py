@@ -22,10 +22,6 @@ The algorithm, in the order it happens:
 5. After the first iteration the buckets are rebuilt in the order gradients
    actually became ready (rank 0's order, broadcast so every rank agrees).
 
-Drop-in: `.grad` holds the true average after backward, so torch.nn.utils.clip_grad_norm_,
-torch.compile (before or after wrapping) and `state_dict()` work as with native DDP
-(tests/test_drop_in.py).
-
 On CUDA, ProcessGroupNCCL orders each collective after the work already queued on
 the current stream, and `wait()` makes the current stream wait for the collective,
 so no kernel reads a bucket before its reduction is done.

@@ -18,14 +18,9 @@ receives the average of slice r. After `optimizer.step()` the updated slices are
 all_gathered back into the full parameters (stages 1-2) or gathered on demand
 before each unit's forward and backward (stage 3, see zero3.py).
 
-Drop-in or refuse: the loop a user writes for native DDP gives native's result or
-fails at once naming the supported way (README "Drop-in"). torch.compile before or
-after wrapping trains as uncompiled (compat.py); after a synchronised backward each
-parameter's `.grad` is a placeholder that raises on use, since the averaged gradient
-exists only sharded (sharded_grad.py: use `model.clip_grad_norm_`); `state_dict()`
-waits for pending gathers, and at stage 3 refuses in favour of `full_state_dict()` /
-`sharded_state_dict()`; `load_state_dict()` also loads the master shards
-(shard_optimizer.py); stage 3 refuses double backward.
+Drop-in or refuse (docs/drop_in.md): after a synchronised backward each parameter's `.grad` is a
+placeholder (sharded_grad.py); stage 3's `state_dict()` refuses, naming `full_state_dict()` and
+`sharded_state_dict()` (shard_optimizer.py).
 
 This file holds what all stages share (the optimizer, clipping, checkpoints,
 memory) and stages 1-2, which reuse DataParallel's backward machinery.
