@@ -1,4 +1,4 @@
-"""Resident memory, measured as the operating system sees it (minidist/benchmarking.py).
+"""Resident memory, measured as the operating system sees it (recipes/bench_memory.py).
 
 First the measurement itself: in a process started the way every strategy is measured,
 RSS must rise by a tensor's size while it lives and fall back when it is freed.
@@ -6,9 +6,14 @@ Then the target: every ZeRO stage's RSS within 1.15 x the ZeRO formula + 8 MiB +
 buckets or units it keeps in flight, on every rank, at 4 ranks.
 """
 
+import sys
+
 import pytest
 
-from minidist.benchmarking import allocate_and_free, launch_fresh, measure_state_rss, within_target
+from train_cases import ROOT
+
+sys.path.insert(0, str(ROOT / "recipes"))  # the benchmark recipe holds the measurement
+from bench_memory import allocate_and_free, launch_fresh, measure_state_rss, within_target  # noqa: E402
 
 MLP_8M = [1024, 2048, 2048, 1024]
 
