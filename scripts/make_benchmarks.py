@@ -664,7 +664,7 @@ def readme_quotes() -> dict[str, str]:
     quotes = {"main": f"all {len(rows)} at {main['world_size']} ranks: " + ", ".join(
         f"{r['strategy']}/{r['reference']} {r['time_ratio']:.3f}" for r in ours) + " of the reference's step time, "
         f"every final parameter within {at_most(max(r['final_param_diff'] for r in ours))} of its reference"}
-    glance = [f"| ours | reference | final parameters apart | step time / reference [95%] | model state MiB (reference's) |",
+    glance = ["| ours | reference | final parameters apart | step time / reference [95%] | model state MiB (reference's) |",
               "| --- | --- | --- | --- | --- |"]
     for r in ours:
         ref = rows[r["reference"]]

@@ -300,9 +300,9 @@ def render(img: Path | None = IMG) -> str:
         "next host, fitted together by least squares on relative error.",
         "  - It measures the int8 wire's coding on the ranks' own cores (encode and decode of the payload, every "
         "rank at once, no communication): the model's codec_s.",
-        f"  - It then times five step patterns on 1 M values (4 MiB) in 2 messages: ddp, zero3, zero3_zeropp "
+        "  - It then times five step patterns on 1 M values (4 MiB) in 2 messages: ddp, zero3, zero3_zeropp "
         "(zero3 with ZeRO++: int8 gathers and an int8 all-to-all for the gradients, the backward's gather within "
-        f"the host), ddp_hierarchical and hsdp3.",
+        "the host), ddp_hierarchical and hsdp3.",
         f"  - It times the probes, the coding and the patterns together in {REPS} rounds, each round running "
         "every one of them once in turn. A busy stretch of the machine then falls on the calibration and on the "
         "patterns alike. Each figure is the median of its runs, the slowest rank's time.",

@@ -12,7 +12,6 @@ unpickler.
 import contextlib
 import io
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from minidist.train.checkpoint import latest_checkpoint
 from minidist.train.config_check import check_run_fits, verified
 from minidist.train.checkpoint_safety import ManifestMismatch, write_manifest
 from minidist.train.checkpoint_safety import CheckpointRefused
-from train_cases import PYTHON, RECIPE, ROOT, compose_cfg, tiny, tiny_overrides, train_on_rank
+from train_cases import compose_cfg, tiny, tiny_overrides, train_on_rank
 
 KINDS = {  # kind: (strategy, overrides, the files replaced in turn)
     "full": ("ddp", [], ["meta.pt", "optimizer.pt", "model.pt", "rank00001.pt"]),

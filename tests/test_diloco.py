@@ -30,7 +30,7 @@ import torch
 from minidist.parallel.diloco import DiLoCo, split_evenly
 from minidist.train.checkpoint import consolidate, list_checkpoints
 from minidist.train.strategies import spec
-from train_cases import tiny, train_on_rank, train_or_error
+from train_cases import tiny, train_or_error
 
 PLAIN_OUTER = ("strategy.outer_lr=1.0", "strategy.outer_momentum=0.0")
 SGD = ("optim=sgd", "optim.lr=0.05", "trainer.grad_clip=0")  # linear in the gradient: the algebra holds

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from minidist.train.run_files import RunDirectoryInUse, run_directory_lock
-from train_cases import PYTHON, RECIPE, ROOT, tiny_overrides
+from train_cases import tiny_overrides
 
 # Another run's launcher, as the lock sees it: a process holding the flock, its pid recorded
 # (plain fcntl, so that it starts in a blink: run_directory_lock takes the same lock).

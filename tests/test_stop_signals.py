@@ -5,7 +5,6 @@ Ctrl-C stops at once; resuming gives what an uninterrupted run gives, bitwise.""
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path

@@ -4,7 +4,6 @@ config errors from the command line; consolidation; a kill while saving."""
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -110,7 +110,7 @@ def test_the_wire_error_does_not_grow_with_the_ranks_where_a_bf16_ring_does(rank
 
 def bytes_handed_to_send(m: int, wire_name: str):
     """The tracer's bytes for each wire collective beside what isend was actually given."""
-    r, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     wire = as_wire(wire_name)
     counted = []
     real_isend = dist.isend

@@ -167,8 +167,6 @@ def test_a_wire_with_a_comm_hook_or_an_unknown_format_is_refused(ranks):
 
 def backward_gathers_by_group(secondary_shard, param_wire=None):
     """One step of zero3 on 4 ranks: ring bytes each group carried, by op, and the final state."""
-    from zero_cases import run_ours
-
     model = minidist.ShardedDataParallel(perturbed(build("gpt"), dist.get_rank()), OPTIMIZERS["adamw"], stage=3,
                                          min_unit_params=1000, secondary_shard=secondary_shard,
                                          param_wire=param_wire)
