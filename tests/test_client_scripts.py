@@ -168,7 +168,7 @@ def test_client_scripts_under_torchrun(tmp_path):
             d = tmp_path / f"{script}_{wrap}"
             d.mkdir()
             done = torchrun(script, *args, "--wrap", wrap, "--out", "final.pt", cwd=d)
-            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.returncode == 0, f"{script} --wrap {wrap}:\n" + done.stderr[-3000:]
             finals[wrap] = torch.load(d / "final.pt", weights_only=True)
         assert_same(finals[how], finals["native"], f"{script} --wrap {how}", tol)
     d = tmp_path / "tutorial_zero3"
