@@ -1,52 +1,29 @@
-"""Opening a checkpoint never runs code and never trusts a file: the manifest, torch.distributed.checkpoint's
-folders read safely, and every file loaded with weights_only.
-
-A checkpoint's manifest: every file's size and checksum, written last, inside the atomic rename.
-
-    manifest.json   {"format": "minidist.manifest.v1", "files": {"meta.pt": {"bytes": N, "sha256": "..."}, ...}}
-
-A checkpoint folder whose files all open can still be wrong: truncated by a full disk after a
-copy, half-replaced by a sync tool, or edited. The manifest is what the writer saw once every
-rank had written and synced its files (each rank's writer hashes the bytes it writes as it writes
-them, `Digesting`, so the commit need not read the checkpoint back); `verify_manifest` checks the folder against it before
-anything is loaded, and names the first file that differs. JSON, not a pickle: reading it runs
-no code either.
-
-torch.distributed.checkpoint (DCP) folders, written by every rank at once and read without
-running code: the native_fsdp / native_hsdp checkpoints (checkpoint_layouts.Distributed).
-
-    save(state, folder)                  # a collective: each rank writes its own shards, no gather
-    load_into(state, folder)             # a collective: fills `state` (DTensors re-cut at any world size)
-    read_full(folder, only={"model"})    # no process group: the nested state (or its model), plain tensors
-    saved_shapes(folder)                 # {key: shape} from the metadata alone
-
-DCP's reader unpickles `.metadata` with pickle.load and the non-tensor items (param_groups' lr,
-betas, ...) with torch.load(weights_only=False): a folder from someone else could run code. So
-the metadata is read here by an unpickler that resolves only DCP's own metadata classes and a
-few torch and pathlib names, and each non-tensor item must load under torch's restricted
-unpickler before DCP's own loader is given it. Tensors DCP already reads with weights_only=True.
-
-Opening a checkpoint never runs code: every file is read with torch.load(weights_only=True).
-
-A checkpoint directory may come from anywhere (a shared file system, a downloaded run).
-A pickle can name any Python callable, and `torch.load(weights_only=False)` calls it.
-So minidist saves only tensors and plain containers (dicts, lists, tuples, numbers,
-strings), and reads every file with torch's restricted unpickler, which refuses
-anything else before it is constructed.
+"""Opening a checkpoint never runs code and never trusts a file (what a user sees: docs/trainer.md,
+"Checkpoints" and "When things go wrong"). A checkpoint directory may come from anywhere, and a
+pickle can name any Python callable, so minidist saves only tensors and plain containers and reads
+every file with torch's restricted unpickler (weights_only=True).
 
     state = load_tensors(path)                 # CheckpointRefused (a ConfigError) names the file
     verify_checkpoint_files(ckpt)              # its manifest, then every file, before anything loads
-    save_tensors(state, path)                  # torch.save through an opened file: a full disk is
-                                               # the OS's OSError (errno 28), not "unexpected pos"
+    save_tensors(state, path)                  # through an opened file: a full disk is the OS's OSError
 
-torch.distributed.checkpoint's folders (native_fsdp, native_hsdp) are read by read_metadata / read_full below, whose
-metadata reader resolves only DCP's own classes (checked here too, before anything loads).
+The manifest (manifest.json, JSON: reading it runs no code) holds every file's size and sha256 as
+the writer saw them once every rank had written and synced (each writer hashes the bytes as it
+writes them, `Digesting`, so the commit need not read the checkpoint back); `verify_manifest`
+names the first file that differs.
 
-DeepSpeed's own checkpoint files (ds_zero*) hold three small DeepSpeed classes besides
-tensors, and DeepSpeed's loader unpickles without restriction. Before a directory is
-handed to it, each of its files must load under the restricted unpickler with those
-three classes, and nothing else, allowed: then the full unpickler can resolve nothing
-beyond them either.
+torch.distributed.checkpoint (DCP) folders (native_fsdp, native_hsdp): DCP's reader unpickles
+`.metadata` with pickle.load and non-tensor items with weights_only=False. So the metadata is read
+by an unpickler that resolves only DCP's own metadata classes and a few torch and pathlib names,
+and each non-tensor item must load under torch's restricted unpickler before DCP is given it.
+
+    save(state, folder); load_into(state, folder)   # collectives: each rank its own shards
+    read_full(folder, only={"model"})               # no process group: plain tensors
+    saved_shapes(folder)                            # {key: shape} from the metadata alone
+
+DeepSpeed's checkpoint files (ds_zero*) hold three small DeepSpeed classes besides tensors, and
+its loader unpickles without restriction: each file must first load under the restricted
+unpickler with those three classes, and nothing else, allowed.
 """
 
 from __future__ import annotations

@@ -1,38 +1,22 @@
 """Everything a run writes in its directory, in one place: the lock (one run per directory), files written
-without following a link, the logs, TensorBoard, the progress bar and the summary.
+without following a link, the logs, TensorBoard, the progress bar and the summary (what a user sees:
+docs/trainer.md).
 
-One run per run directory: an advisory lock on <run dir>/run.lock, held while the run lives.
+One run per directory: the process that launches the ranks takes an exclusive flock on run.lock
+before any rank starts and holds it to the end, recording who holds it (pid, host, start time); a
+second run stops at once naming the live one. The kernel drops a flock with its process, however
+it dies, so a killed run's lock is never in the way. Without flock (some NFS setups) the recorded
+pid and host decide: a holder on this host that no longer exists is stale and taken over; one on
+another host is named, to be removed by hand.
 
-Two runs started in one directory (the same command twice, a restart while the first still
-runs) would interleave their logs and TensorBoard files and prune each other's checkpoints.
-So the process that launches the ranks (rank 0's, under torchrun) takes an exclusive flock on
-run.lock before any rank starts and holds it until the run ends; the lock file records who
-holds it (pid, host, start time). A second run finds the lock taken and stops at once with one
-line naming the live one.
+Nothing the run writes follows a link it did not make (a shared directory could hold one planted
+to make the run overwrite what it points to): before any rank starts, logs/, checkpoints/,
+tensorboard/ and samples/ must be real, link-free, writable folders (a probe file made and
+removed); ranks append with O_NOFOLLOW (`append_file`) and rewrite whole files by renaming a new
+one over the old (`write_replacing`: a link there is replaced, never written through).
 
-The kernel releases a flock when its process dies, however it dies, so a lock left by a
-killed run is never in the way: the next run simply takes it. On a file system without
-flock (some NFS setups) the recorded pid and host decide instead: a holder on this host
-that no longer exists is stale and taken over; one on another host is named, to be removed
-by hand once that run is known to be gone.
-
-Files handed over are not trusted, and a run directory may be shared: someone who can write
-there could plant a symbolic link where the run writes (config.yaml -> a file of yours) and have
-the run overwrite what it points to. So nothing the run writes follows a link it did not make:
-before any rank starts, the folders the run writes into (logs/, checkpoints/, tensorboard/,
-samples/) must be real folders holding no links, and writable (a probe file made and removed,
-so a read-only folder is found before the first step, not at the first save); ranks append to
-their files with O_NOFOLLOW (`append_file`) and rewrite whole files by renaming a new one over
-the old (`write_replacing`: a link there is replaced, never written through).
-
-What a run shows: per-rank log files, rank 0's console, progress bar, TensorBoard, summary.
-
-    <run dir>/config.yaml           the resolved config of this run (rank 0; rewritten by a resumed run)
-    <run dir>/logs/rank_N.log       every rank's own log
-    <run dir>/tensorboard/          rank 0's scalars and hparams
-
-Only rank 0 writes to the console: a tqdm progress bar (step, loss, throughput, ETA)
-and, at the end, a summary table with the `tensorboard --logdir` command.
+Only rank 0 writes to the console: a tqdm progress bar, then the summary table with the
+`tensorboard --logdir` command; every rank logs to <run dir>/logs/rank_N.log.
 """
 
 from __future__ import annotations

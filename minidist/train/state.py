@@ -1,25 +1,4 @@
-"""The device a rank trains on: its settings (TF32, pinned copies, peak reset) and its peak FLOP/s for MFU.
-
-Per-run device settings and host-to-device copies for the trainer (they matter on CUDA only).
-
-- fp32 precision: `trainer.tf32` chooses TF32 (faster on Ampere and later, a 10-bit mantissa) or
-  full IEEE fp32 for matmuls and cuDNN convolutions, through torch's fp32_precision API (mixing it
-  with the legacy allow_tf32 flags is an error in torch). The default, false, keeps fp32 runs
-  exact, as PyTorch's own default for matmuls does.
-- the allocator's peak is reset when a run starts, so a second run in one process (a test, a
-  sweep) reports its own peak, not the largest so far.
-- batches are copied from pinned host memory: `non_blocking=True` from pageable memory is a
-  synchronous copy in disguise.
-
-The peak a rank's device could compute, for MFU: trainer.peak_tflops=auto looks it up.
-
-MFU = model FLOPs per second / peak. The peak depends on the device and on the precision the
-matrix multiplies run in: dense (no sparsity) vendor figures, TFLOP/s per GPU, for bf16/fp16
-tensor cores and for plain fp32 (minidist does not switch TF32 on). A GPU not in the table
-gets no MFU, with a line saying to set trainer.peak_tflops; on CPU the figure is a rough one
-for one core in fp32.
-
-The training state, built one way for the trainer and the comparison alike.
+"""The training state, built one way for the trainer and the comparison alike, and the device it runs on.
 
     data = build_data(cfg, ctx)                             # data sets, their info, this rank's sampler
     micro = data.micro_batches(iter(data.sampler), grad_accum, ctx.device)
@@ -27,10 +6,16 @@ The training state, built one way for the trainer and the comparison alike.
     loss, grad_norm = state.step(micro_batches)             # one optimizer step, then the schedule's
     reseed_per_rank(cfg.trainer.seed, ctx.rank)             # each rank its own randomness from here on
 
-Every rank, and every strategy of a comparison, starts from the same weights: the model is
-built right after seeding with trainer.seed. What a step does (accumulation under no_sync,
-autocast, clipping, the optimizer through the strategy, the scheduler) is the same code for
-both, so a comparison measures exactly what the trainer runs.
+Every rank, and every strategy of a comparison, starts from the same weights (the model is built
+right after seeding with trainer.seed), and a step is the same code for both, so a comparison
+measures exactly what the trainer runs.
+
+The device (CUDA only matters): `trainer.tf32` through torch's fp32_precision API (false, the
+default, keeps fp32 exact); the allocator's peak reset per run (a second run in one process
+reports its own); batches copied from pinned memory (non_blocking from pageable memory is a
+synchronous copy in disguise). MFU = model FLOP/s over the device's dense vendor peak for the
+precision its matmuls run in (trainer.peak_tflops=auto looks it up; a GPU not in the table gets a
+line saying to set it; on CPU a rough one-core fp32 figure).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""minidist's own strategies: one rank, DataParallel (flat or two-level all_reduce) and
-ShardedDataParallel (ZeRO stages 1-3, flat or hybrid on a 2-D mesh).
+"""minidist's own strategies: one rank, DataParallel (flat or two-level all_reduce),
+ShardedDataParallel (ZeRO stages 1-3, flat or hybrid on a 2-D mesh), and DiLoCo.
 
 | name             | what                                                             | checkpoint |
 | single           | no wrapper, one rank                                             | full       |
@@ -7,29 +7,15 @@ ShardedDataParallel (ZeRO stages 1-3, flat or hybrid on a 2-D mesh).
 | ddp_hierarchical | DataParallel, all_reduce in two levels on a mesh (comm_hook=hierarchical) | full |
 | zero1/2/3        | minidist.ShardedDataParallel(stage=k)                            | sharded    |
 | hsdp2/3          | ShardedDataParallel(stage=k, mesh=init_mesh(shard=shard_size))   | sharded, once per shard group |
+| diloco           | workers that average pseudo-gradients every sync_every steps     | workers    |
+| diloco_streaming | the same, the model in `fragments` synced at staggered steps     | workers    |
 
 "full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded": every rank
-writes its shard with the offsets that let any world size load it.
-
-DiLoCo and streaming DiLoCo as strategies: workers that synchronise every H steps, not every step.
-
-| name             | what                                                                  | checkpoint |
-| diloco           | the run's optimizer inner on each worker; every sync_every steps the   | workers    |
-|                  | pseudo-gradients averaged across workers into an outer Nesterov SGD    |            |
-| diloco_streaming | the same, the model in `fragments` synced at staggered steps, each     | workers    |
-|                  | fragment's all_reduce behind the next `sync_delay` inner steps         |            |
-
-A worker is one rank (strategy.inner=null) or the ranks of one host training as one replica
-every step (strategy.shard_size ranks, null: one host): minidist's DataParallel among them
-(strategy.inner=ddp), or ZeRO (strategy.inner=zero1 | zero2 | zero3: ShardedDataParallel over the
-worker's ranks, so a worker holds 1/S of the model state per rank, and the outer loop works on
-each rank's master shards). That is the realistic setup, fast links within a host, slow ones
-between hosts. The outer step's all_reduce runs across the workers (one rank of each, 1/S of the
-model per rank), so only it crosses hosts. minidist.parallel.diloco holds the algorithm.
-
-"workers" checkpoints (checkpoint_layouts.Workers): each worker its own weights and inner
-optimizer state (gathered whole from a ZeRO worker's shards: one form whatever the inner), and
-the outer state once; they resume exactly, also under another inner strategy.
+writes its shard with the offsets that let any world size load it. "workers"
+(checkpoint_layouts.Workers): each DiLoCo worker its weights and inner optimizer state, gathered
+whole whatever the inner strategy, and the outer state once. A DiLoCo worker is one rank or
+strategy.shard_size ranks running DataParallel or ZeRO among themselves (strategy.inner);
+what each setting does: docs/multinode.md; the algorithm: minidist.parallel.diloco.
 """
 
 from __future__ import annotations
