@@ -17,10 +17,12 @@
 #
 #   sudo scripts/diloco_local.sh                           # 2 hosts x 2 ranks, 50 and 200 Mbit/s
 #   sudo RATES="100mbit" DELAY=5ms SYNC_EVERY="8 32" scripts/diloco_local.sh
+#   sudo STEPS=16 EVAL_EVERY=8 EVAL_BATCHES=2 scripts/diloco_local.sh trainer.micro_batch_size=4   # a quick check
 #
-# Environment: HOSTS (2), NPROC_PER_HOST (2), RATES ("50mbit 200mbit"), DELAY (none), STEPS (200),
-# EVAL_EVERY (20), SYNC_EVERY ("8 16"), OUT (a new temp folder), PREFIX (dl), TIMEOUT_S per run
-# (1500), PYTHON. Needs root; without it, exit 3.
+# Arguments are trainer overrides for every run. Environment: HOSTS (2), NPROC_PER_HOST (2), RATES
+# ("50mbit 200mbit"), DELAY (none), STEPS (200), EVAL_EVERY (20), EVAL_BATCHES (8), SYNC_EVERY
+# ("8 16"), OUT (a new temp folder), PREFIX (dl), TIMEOUT_S per run (1500), PYTHON. Needs root;
+# without it, exit 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 HOSTS=${HOSTS:-2}
@@ -29,6 +31,7 @@ RATES=${RATES:-"50mbit 200mbit"}
 DELAY=${DELAY:-}
 STEPS=${STEPS:-200}
 EVAL_EVERY=${EVAL_EVERY:-20}
+EVAL_BATCHES=${EVAL_BATCHES:-8}
 SYNC_EVERY=${SYNC_EVERY:-"8 16"}
 PREFIX=${PREFIX:-dl}
 TIMEOUT_S=${TIMEOUT_S:-1500}
@@ -49,7 +52,7 @@ for h in $SYNC_EVERY; do
     VARIANTS+=("diloco_h$h")
 done
 common=(trainer.max_steps="$STEPS" trainer.log_every="$EVAL_EVERY" trainer.eval_every="$EVAL_EVERY"
-        trainer.eval_batches=8 trainer.ckpt_every=0 trainer.progress=false)
+        trainer.eval_batches="$EVAL_BATCHES" trainer.ckpt_every=0 trainer.progress=false "$@")
 k=0
 for rate in $RATES; do
     netns_start "$0"

@@ -16,8 +16,9 @@
 #
 #   sudo scripts/zeropp_local.sh                       # 2 hosts x 2 ranks, 200 Mbit/s, 3 rounds
 #   sudo RATE=500mbit ROUNDS=5 scripts/zeropp_local.sh
+#   sudo ROUNDS=1 STEPS=10 scripts/zeropp_local.sh trainer.micro_batch_size=4   # a quick check of the bytes
 #
-# Environment: HOSTS (2), NPROC_PER_HOST (2), RATE (200mbit), ROUNDS (3), STEPS (30), OUT (a new temp
+# Arguments are trainer overrides for every run. Environment: HOSTS (2), NPROC_PER_HOST (2), RATE (200mbit), ROUNDS (3), STEPS (30), OUT (a new temp
 # folder), PREFIX (zp), TIMEOUT_S per run (300), PYTHON. Needs root; without it, exit 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ declare -A ARGS=(
 )
 VARIANTS=(zero3 native_fsdp zero3_zeropp)
 common=(trainer.max_steps="$STEPS" trainer.log_every=10 trainer.eval_every=0 trainer.eval_batches=2
-        trainer.ckpt_every=0 trainer.progress=false)
+        trainer.ckpt_every=0 trainer.progress=false "$@")
 for round in $(seq 1 "$ROUNDS"); do
     for k in $(seq 0 $((${#VARIANTS[@]} - 1))); do
         v=${VARIANTS[$(((k + round) % ${#VARIANTS[@]}))]}
