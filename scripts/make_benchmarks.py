@@ -506,7 +506,7 @@ BEFORE_AFTER = DATA / "ddp_before_after.json"
 
 
 def ddp_before_after_lines() -> list[str]:
-    """scripts/measure_ddp_before_after.py: ddp / native_ddp before the wires and after."""
+    """scripts/measure_ddp_before_after.py: ddp / native_ddp before a change and after it."""
     if not BEFORE_AFTER.is_file():
         return []
     d = load_record(BEFORE_AFTER)
@@ -523,7 +523,8 @@ def ddp_before_after_lines() -> list[str]:
                         + ("its interval overlaps before's: no cost measurable" if overlap
                            else "its interval does not overlap before's: a measurable change"))
     return [
-        f"Does `grad_wire=null` (the default) cost DataParallel anything? `{p['command']}` ({p['date']}, after = commit "
+        f"Does {r.get('change', '`grad_wire=null` (the default)')} cost DataParallel anything? `{p['command']}` "
+        f"({p['date']}, after = commit "
         f"{p['commit'][:12]}, before = {r['before'][:12]}): ddp / native_ddp, each run interleaving the two step by "
         "step (median of the paired ratios, 95% bootstrap interval), on the default gpt_nano and the "
         "communication-bound mlp_wide:",

@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="the commit before the change")
+    p.add_argument("--change", default="the change", help="what changed since --before, in words for the document")
     p.add_argument("--out", default=str(ROOT / "docs/benchmarks/data/ddp_before_after.json"))
     a = p.parse_args(argv)
     before = git("rev-parse", a.before)
-    results = {"before": before, "models": {}}
+    results = {"before": before, "change": a.change, "models": {}}
     with tempfile.TemporaryDirectory(prefix="minidist-before-") as tmp:
         tree = Path(tmp) / "tree"
         git("worktree", "add", "--detach", str(tree), before)
@@ -62,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["models"][model] = row
         finally:
             git("worktree", "remove", "--force", str(tree))
-    record(Path(a.out), results, provenance(f"python scripts/measure_ddp_before_after.py --before {a.before}",
-                                            torch.__version__))
+    command = f"python scripts/measure_ddp_before_after.py --before {a.before} --change '{a.change}'"
+    record(Path(a.out), results, provenance(command, torch.__version__))
     print(f"wrote {a.out}")
     return 0
 
