@@ -112,7 +112,7 @@ def soak_section(data: dict) -> list[str]:
     return [
         f"## Soak: {d['steps']:,} steps, {d['ranks']} ranks, {len(kills)} kills",
         "",
-        f"`MINIDIST_SOAK_STEPS={d['steps']} pytest {TEST.split('/')[-1]}` (`make test-all` runs it at 200 "
+        f"`MINIDIST_SOAK_STEPS={d['steps']} pytest {TEST.split('/')[-1]}` (`make test-all` runs it at 100 "
         f"steps, which show the same three restarts): a tiny GPT with `strategy={d['strategy']}` on "
         f"{d['ranks']} ranks, {d['steps']:,} steps, a checkpoint every {d['ckpt_every']}, launched with "
         f"`torchrun --standalone --nproc_per_node {d['ranks']} --max-restarts {len(kills)}`. "

@@ -259,7 +259,7 @@ def test_unreachable_master_fails_within_the_timeout():
 @pytest.mark.slow(stand_in=None, why="the soak: three kills in one run, whose figures docs/fault_tolerance.md renders")
 @pytest.mark.timeout(1200)  # 1,000 steps: 152 s where its figures were measured, over 300 s in a CI run
 def test_soak_three_kills_and_the_same_state_bitwise(tmp_path):
-    """4 ranks, MINIDIST_SOAK_STEPS steps (200 in make test-all; 1,000 for the document), a checkpoint
+    """4 ranks, MINIDIST_SOAK_STEPS steps (100 in make test-all; 1,000 for the document), a checkpoint
     every twentieth of them, three kills at random steps (fixed seed): the run finishes and its final
     state equals the uninterrupted run's, bitwise. More steps add nothing the three restarts do not
     show, only time. With MINIDIST_SOAK_OUT=FILE its figures go to FILE too:
@@ -268,7 +268,7 @@ def test_soak_three_kills_and_the_same_state_bitwise(tmp_path):
     import random
     import time
 
-    total = int(os.environ.get("MINIDIST_SOAK_STEPS", "200"))
+    total = int(os.environ.get("MINIDIST_SOAK_STEPS", "100"))
     every = total // 20
     rng = random.Random(2026)
     steps = sorted(rng.sample(range(every + 10, total - 10), 3))

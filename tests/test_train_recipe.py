@@ -236,9 +236,11 @@ def test_every_recipe_says_a_mistyped_override_in_one_line(capsys, monkeypatch):
 
 
 @pytest.mark.slow(stand_in="test_train_strategies.py::test_resume_is_exact_and_consolidates")  # consolidate in-process
-def test_consolidate_command(tmp_path):
-    run_dir = tmp_path / "run"
-    assert train("trainer.max_steps=2", f"hydra.run.dir={run_dir}", strategy="zero2").returncode == 0
+def test_consolidate_command(ranks, tmp_path):
+    from train_cases import tiny, train_on_rank
+
+    run_dir = tmp_path / "run"  # the checkpoint is made on the rank pool: the commands are what is tested
+    ranks(2).run(train_on_rank, tiny("trainer.max_steps=2", strategy="zero2"), str(run_dir), timeout_s=120)
     ckpt = latest_checkpoint(run_dir)
     out_file = tmp_path / "full.pt"
     out = run([PYTHON, "-m", "minidist.train.checkpoint", "consolidate", str(ckpt), str(out_file)])
