@@ -98,15 +98,20 @@ class Wire:
         return self.decode(self.encode(flat), flat.shape[1]).reshape(x.shape)
 
 
-def as_wire(wire_dtype) -> Wire | None:
-    """None, a Wire, a format name ("bf16", "fp16", "int8") or a dtype (bfloat16, float16, int8)."""
-    if wire_dtype is None or isinstance(wire_dtype, Wire):
-        return wire_dtype
-    if isinstance(wire_dtype, torch.dtype):
+def as_wire(wire_dtype, block: int | None = None) -> Wire | None:
+    """None, a Wire, a format name ("bf16", "fp16", "int8") or a dtype (bfloat16, float16, int8);
+    with `block` (a wrapper's quant_block), the int8 wire's block size is that."""
+    if wire_dtype is None:
+        return None
+    if isinstance(wire_dtype, Wire):
+        wire = wire_dtype
+    elif isinstance(wire_dtype, torch.dtype):
         if wire_dtype not in _BY_DTYPE:
             raise ValueError(f"no wire format for {wire_dtype}: choose one of {list(_BY_DTYPE)}")
-        return Wire(_BY_DTYPE[wire_dtype])
-    return Wire(str(wire_dtype))
+        wire = Wire(_BY_DTYPE[wire_dtype])
+    else:
+        wire = Wire(str(wire_dtype))
+    return wire if block is None else Wire(wire.name, block=int(block))
 
 
 def runs_on_ring(group, device: torch.device) -> bool:

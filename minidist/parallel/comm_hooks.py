@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from minidist import comm
-from minidist.comm.wire import QUANT_BLOCK, Wire, as_wire
+from minidist.comm.wire import QUANT_BLOCK, as_wire
 from minidist.parallel.buckets import Bucket
 from minidist.parallel.sharded_grad import ReplicaReduce
 
@@ -252,5 +252,5 @@ def resolve_hook(comm_hook, grad_wire=None, quant_block: int = QUANT_BLOCK):
             raise ValueError(f"DataParallel: grad_wire={grad_wire!r} chooses how the all_reduce sends gradients, "
                              f"which comm_hook={getattr(comm_hook, '__name__', comm_hook)!r} replaces: give one "
                              "of them")
-        comm_hook = WireAllReduce(Wire(as_wire(grad_wire).name, block=int(quant_block)))
+        comm_hook = WireAllReduce(as_wire(grad_wire, quant_block))
     return comm_hook or allreduce_hook

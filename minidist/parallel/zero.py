@@ -55,8 +55,7 @@ from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholde
 def wire_option(value, block: int, what: str) -> Wire | None:
     """grad_wire / param_wire as given (None, a format name, a dtype or a Wire), with quant_block."""
     try:
-        wire = as_wire(value)
-        return None if wire is None else Wire(wire.name, block=int(block))
+        return as_wire(value, block)
     except ValueError as e:
         raise ValueError(f"ShardedDataParallel({what}={value!r}): {e}") from None
 

@@ -245,10 +245,9 @@ class DiLoCoStrategy(Strategy):
         return {"worker_group": self.mesh.shard_group if self.mesh.shard > 1 else None}
 
     def _outer_wire(self):
-        from minidist.comm.wire import Wire
+        from minidist.comm.wire import as_wire
 
-        wire = self.cfg.outer_wire
-        return None if wire is None else Wire(str(wire), block=int(self.cfg.quant_block))
+        return as_wire(self.cfg.outer_wire, self.cfg.quant_block)
 
     _restarted = False  # load_portable: the weights came from another strategy's checkpoint
 
