@@ -80,7 +80,8 @@ else:
 "
 stage tests 300 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py ${GPU_TESTS:-}
 stage tour 120 $PY recipes/tour.py nproc="$NPROC" backend="$BACKEND"
-stage bench 180 $PY recipes/bench_collectives.py nproc="$NPROC" backend="$BACKEND" max_bytes=67108864 \
+# (the dry run tests this script, not the link: its sweep stops at 1 MiB)
+stage bench 180 $PY recipes/bench_collectives.py nproc="$NPROC" backend="$BACKEND" max_bytes=$([ "$DRY" = 1 ] && echo 1048576 || echo 67108864) \
     out_dir="$OUT/bench_collectives"
 stage bf16 360 $PY recipes/train.py -m \
     strategy="${GPU_CHECK_STRATEGIES:-ddp,zero1,zero2,zero3,hsdp2,hsdp3,native_ddp,native_zero1,native_fsdp,native_hsdp}" \

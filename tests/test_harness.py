@@ -62,7 +62,7 @@ def test_timeout_kills_every_rank():
     try:
         start = time.monotonic()
         with pytest.raises(RankTimeout, match="did not finish in time"):
-            pool.run(sleep_forever, timeout_s=2)
+            pool.run(sleep_forever, timeout_s=0.5)
         assert time.monotonic() - start < 30
         assert not pool._procs  # all ranks gone
     finally:
