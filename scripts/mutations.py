@@ -112,6 +112,9 @@ MUTATIONS = [
              "minidist/parallel/ddp.py", "        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]",
              "        named = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad]",
              ("tests/test_ddp.py",)),
+    Mutation("meta_init_replayed_in_unit_order", "a meta-built model gets the values of initialising it whole",
+             "minidist/parallel/meta_init.py", "                    self.generator.set_state(state)\n",
+             "", ("tests/test_meta_init.py",)),
 ]
 
 

@@ -92,11 +92,10 @@ def fsdp2_runs(how: str, directory: str, mixed_precision: bool = False):
     return out
 
 
-def fsdp2_meta(how: str):
-    """The example's meta-device construction: fully_shard takes it, minidist refuses it by name."""
+def fsdp2_init(how: str, meta: bool):
+    """The example's weights as initialised (or the refusal)."""
     try:
-        fsdp2_example.main(how, 1, meta=True)
-        return "trained"
+        return fsdp2_example.main(how, 0, meta=meta)
     except ValueError as e:
         return str(e)
 

@@ -431,7 +431,7 @@ def meta_device_is_refused():
     with torch.device("meta"):
         net = build("mlp")
     out = {"ddp": attempt(lambda: minidist.DataParallel(net))}
-    for stage in (1, 2, 3):
+    for stage in (1, 2):  # (stage 3 materialises it: test_meta_init.py)
         out[f"zero{stage}"] = attempt(lambda: minidist.ShardedDataParallel(net, torch.optim.SGD(net.parameters(),
                                                                                               lr=0.1), stage=stage))
     return out

@@ -146,7 +146,8 @@ def check_materialised(module: nn.Module, wrapper: str) -> None:
     if meta:
         raise ValueError(
             f"{wrapper}: {len(meta)} parameter(s) or buffer(s) of the module are on the meta device (the first: "
-            f"{meta[0]!r}), so they hold no values to broadcast or shard. Materialise before wrapping: "
+            f"{meta[0]!r}), so they hold no values to broadcast or shard. Wrap with ShardedDataParallel(stage=3), "
+            "which materialises a meta-built model unit by unit into its shards, or materialise before wrapping: "
             "net.to_empty(device=device), then initialise it (net.reset_parameters() or your init) on every rank "
             "with the same seed, then wrap (rank 0's values are broadcast).")
 

@@ -71,7 +71,7 @@ def replicate_from_source(module: nn.Module, src: int, group=None) -> None:
     parameters (raising on every rank otherwise), then broadcast parameters and buffers."""
     check_same_parameters(module, group)
     with torch.no_grad():
-        broadcast_coalesced([p.data for p in module.parameters()] + [b.data for b in module.buffers()],
+        broadcast_coalesced([p.data for p in module.parameters() if not p.is_meta] + [b.data for b in module.buffers()],
                             src=src, group=group)
 
 

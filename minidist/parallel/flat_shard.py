@@ -133,7 +133,8 @@ class FlatShard:
 
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
                  world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
-                 algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1, wire=None):
+                 algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1, wire=None,
+                 values: torch.Tensor | None = None):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
         self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
         self.wire = wire  # what the parameters travel as in gather_full (None: the compute dtype; comm.wire)
@@ -153,9 +154,10 @@ class FlatShard:
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
         with torch.no_grad():
-            values = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
-            for slot, p in zip(self.slots, params):
-                values[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
+            if values is None:  # (given: the parameters view it already, laid out as here: meta_init.py)
+                values = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
+                for slot, p in zip(self.slots, params):
+                    values[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
             self.full = values.to(self.compute_dtype) if self.compute_dtype != self.master_dtype else values
             # Stages 1-2 in full precision: the master shard *is* the owned slice of the
             # parameters (no copy). Otherwise it is a separate fp32 tensor: also under a wire

@@ -48,6 +48,7 @@ from minidist.parallel.flat_shard import (FlatShard, FORMAT as CHECKPOINT_FORMAT
                                           order_by_group)
 from minidist.parallel.sharded_grad import ShardedGradReduce
 from minidist.parallel.join import ShardedJoin
+from minidist.parallel.meta_init import MetaInit, is_meta_built
 from minidist.parallel.shard_optimizer import ModuleStateHooks, ShardOptimizer, parameter_groups, plain_module
 from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholders, local_grad
 
@@ -143,10 +144,15 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     def _setup_common(self, module: nn.Module, optimizer, stage: int, process_group,
                       param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                       max_inflight: int, broadcast_buffers: bool, collectives: str, mesh=None,
-                      mp_policy=None, wires: tuple = (None, None, QUANT_BLOCK)) -> list:
+                      mp_policy=None, wires: tuple = (None, None, QUANT_BLOCK), init_fn=None) -> list:
         if not dist.is_initialized():
             raise RuntimeError("ShardedDataParallel needs a process group: call minidist.init_distributed() first")
-        check_materialised(module, "ShardedDataParallel")
+        meta_built = stage == 3 and is_meta_built(module)
+        if not meta_built:
+            check_materialised(module, f"ShardedDataParallel(stage={stage})")
+            if init_fn is not None:
+                raise ValueError("ShardedDataParallel: init_fn initialises a model built on the meta device; this "
+                                 "one holds its values already: leave init_fn out")
         check_not_wrapped(module, "ShardedDataParallel")
         if is_device_mesh(mesh):  # FSDP2's argument: a 1-D torch DeviceMesh is its group
             process_group, mesh = process_group_of(mesh, process_group, "ShardedDataParallel"), None
@@ -194,7 +200,9 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             dp_size=self.dp_size, group=self.process_group, dtype=self.reduce_dtype, algorithm=collectives,
             replicate_group=mesh.replicate_group if mesh is not None and mesh.replicate > 1 else None,
             wire=self.grad_wire)
-        device = next((p.device for p in module.parameters()), None)
+        # A meta-built model (stage 3): its buffers get their values now, its parameters unit by unit (_flat_shard).
+        self._meta_init = MetaInit(module, init_fn, self.dp_group) if meta_built else None
+        device = self._meta_init.device if meta_built else next((p.device for p in module.parameters()), None)
         comm.choose_algorithm("reduce_scatter", self.process_group, collectives, device=device)  # raises on a bad choice
         self.collectives = collectives
         replicate_from_source(module, self.source_rank, self.dp_group)
@@ -204,7 +212,9 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     def _flat_shard(self, k: int, ids: list[int], keep_full: bool) -> tuple[FlatShard, list[int]]:
         """FlatShard k of the parameters `ids`, laid out group by group; and the ids in that order."""
         ids = order_by_group(ids, self._group_of)
-        shard = FlatShard(k, [self._names[i] for i in ids], [self._params[i] for i in ids], rank=self.rank,
+        params = [self._params[i] for i in ids]
+        values = self._meta_init.fill(params, self.world_size) if self._meta_init is not None else None
+        shard = FlatShard(k, [self._names[i] for i in ids], params, rank=self.rank, values=values,
                           world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
                           keep_full=keep_full, algorithm=self.collectives, wire=self.param_wire,
                           groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups))
@@ -506,11 +516,11 @@ class ZeroStage12(ShardedDataParallel):
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = False,
                  grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, **unused):
         nn.Module.__init__(self)
-        stage3 = {"unit_policy", "min_unit_params", "prefetch", "secondary_shard"}
+        stage3 = {"unit_policy", "min_unit_params", "prefetch", "secondary_shard", "init_fn"}
         if unused and set(unused) <= stage3:
-            raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: those size and "
-                             "prefetch stage 3's units; stages 1-2 reduce in buckets (bucket_cap_mb). Use stage=3 "
-                             "for units.")
+            raise ValueError(f"ShardedDataParallel(stage={stage}) does not take {sorted(unused)}: those are stage 3's, "
+                             "which cuts the model into units (and materialises a meta-built one); stages 1-2 reduce "
+                             "in buckets (bucket_cap_mb). Use stage=3 for units.")
         refuse_unknown("ShardedDataParallel", unused)
         check_reshard_after_forward(reshard_after_forward, stage)
         if bucket_cap_mb <= 0:

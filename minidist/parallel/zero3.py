@@ -124,7 +124,9 @@ class ZeroStage3(ShardedDataParallel):
     policy: the repeated blocks, see plan_units), prefetch, max_inflight (units whose gradients may
     be in reduction at once), reshard_after_forward (False: keep each unit gathered from its
     forward to its backward, as FSDP2's option; an int G: secondary_shard=G), secondary_shard (hpZ:
-    None, G ranks or "host"; the backward gathers within blocks of G ranks, flat_shard.py)."""
+    None, G ranks or "host"; the backward gathers within blocks of G ranks, flat_shard.py), init_fn
+    (a model built on the meta device is materialised unit by unit into the shards by each module's
+    reset_parameters(), or by init_fn(module) for every module: meta_init.py)."""
 
     def __init__(self, module: nn.Module, optimizer=None, *, stage: int = 3, process_group=None,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
@@ -133,7 +135,7 @@ class ZeroStage3(ShardedDataParallel):
                  overlap: bool | None = None, broadcast_buffers: bool = True, collectives: str = "auto", mesh=None,
                  find_unused_parameters: bool = False, mp_policy=None, reshard_after_forward: bool | None = None,
                  grad_wire=None, param_wire=None, quant_block: int = QUANT_BLOCK, secondary_shard=None,
-                 **unused):
+                 init_fn: Callable[[nn.Module], None] | None = None, **unused):
         nn.Module.__init__(self)
         refuse_unknown("ShardedDataParallel", unused)
         if type(reshard_after_forward) is int:  # FSDP2's reshard to a smaller group: hpZ's secondary shard
@@ -156,7 +158,7 @@ class ZeroStage3(ShardedDataParallel):
                 "requires_grad=False on parameters no rank uses.")
         self._setup_common(module, optimizer, stage, process_group, param_dtype, reduce_dtype,
                            max_inflight, broadcast_buffers, collectives, mesh, mp_policy,
-                           wires=(grad_wire, param_wire, quant_block))
+                           wires=(grad_wire, param_wire, quant_block), init_fn=init_fn)
         if secondary_shard is not None and not self.reshard_after_forward:
             raise ValueError("ShardedDataParallel: secondary_shard keeps a host-local copy for units freed after their "
                              "forward; with reshard_after_forward=False nothing is freed: give one of them")
@@ -181,6 +183,8 @@ class ZeroStage3(ShardedDataParallel):
         for k, (name, sub, ids) in enumerate(groups):
             shard, ids = self._flat_shard(k, ids, keep_full=False)
             self._units.append(_Unit(name, sub, shard, ids))
+        if self._meta_init is not None:
+            self._meta_init.finish()
         self._root = self._units[0] if root_ids else None
         self._shards = [u.shard for u in self._units]
         self._unit_of = {i: u for u in self._units for i in u.param_ids}
@@ -204,6 +208,12 @@ class ZeroStage3(ShardedDataParallel):
     @property
     def unit_names(self) -> list[str]:
         return [u.name for u in self._units]
+
+    def reset_parameters(self) -> None:
+        """FSDP2's `to_empty()` then `reset_parameters()` after wrapping: refused (to_empty alone changes nothing)."""
+        raise RuntimeError("ShardedDataParallel(stage=3) already initialised the model while wrapping: a model built on "
+                           "the meta device gets each module's reset_parameters() (or init_fn=) unit by unit, straight "
+                           "into the shards. Drop the to_empty()/reset_parameters() calls after wrapping.")
 
     # ------------------------------------------------------------------ gather / free
 

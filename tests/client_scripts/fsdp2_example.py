@@ -13,7 +13,9 @@ The port to minidist (`--wrap zero3`), what differs:
 - `get_model_state_dict` / `get_optimizer_state_dict(full_state_dict=True)` -> `model.full_state_dict()`
   / `model.full_optim_state_dict(optim)`; `set_*_state_dict` -> `model.module.load_state_dict(full)` /
   `optim.load_state_dict(full)` on every rank. Either side reads the other's files.
-- meta-device construction (`--meta`) is refused at wrapping: build the model on the device.
+- meta-device construction (`--meta`): `ShardedDataParallel(stage=3)` materialises the model while
+  wrapping, each block's parameters straight into its shard (each module's reset_parameters()), so the
+  `to_empty()` / `reset_parameters()` after wrapping go; stages 1-2 refuse a meta-built model.
 """
 
 import argparse
@@ -156,7 +158,7 @@ def main(how: str, steps: int, checkpoint: str | None = None, resume: str | None
     with torch.device("meta" if meta else device):
         model = Transformer(args)
     model, optim = shard(how, model, lambda params: torch.optim.Adam(params, lr=1e-2), mixed_precision)
-    if meta:
+    if meta and how == "native":  # (ours: initialised while wrapping)
         model.to_empty(device=device)
         model.reset_parameters()
     if resume:

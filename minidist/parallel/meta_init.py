@@ -1,0 +1,146 @@
+"""A model built on the meta device, materialised by ZeRO stage 3 unit by unit into its shards.
+
+FSDP2's way for a model that does not fit one device: build it under `torch.device("meta")`
+(shapes, no storage), wrap, and only then give it values. Here the wrapper does the last step:
+
+    with torch.device("meta"):
+        net = GPT(cfg)
+    model = ShardedDataParallel(net, optimizer, stage=3)               # reset_parameters() of each module
+    model = ShardedDataParallel(net, optimizer, stage=3, init_fn=init)  # or init(module) for each module
+
+The values are, bitwise, those of materialising the whole model and initialising it as
+
+    net.to_empty(device=device)      # (swapping in place: a tied head stays tied)
+    for m in net.modules():          # each module with parameters or buffers of its own
+        init(m)                      # init_fn(m), or m.reset_parameters()
+
+on the source rank (rank 0's generator state is everyone's first: the broadcast that starts
+any other wrap), then sharding it. For a model whose containers' reset_parameters() call their
+children's in the order they were registered (FSDP2's example), that is the root's
+reset_parameters(). The peak while wrapping is the shards plus one unit.
+
+How: pass 1 walks the modules in that order and records the generator state each module's
+initialisation starts from, materialising one module at a time (its buffers stay: they are
+not sharded). Pass 2, for each unit, points the unit's parameters into one flat buffer laid
+out as its FlatShard lays it out, and replays the initialisation of the modules that own them,
+each from its recorded state; the FlatShard keeps this rank's slice and frees the rest. An
+initialisation must write only its own module's tensors (reset_parameters does): one that
+writes a submodule's parameters is refused, since they hold no values yet at its turn.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from minidist import comm
+
+
+def is_meta_built(module: nn.Module) -> bool:
+    """Whether the module was built on the meta device (all of it: a mix is refused)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    meta = [t.is_meta for t in tensors]
+    if any(meta) and not all(meta):
+        raise ValueError("ShardedDataParallel: part of the module is on the meta device and part is not; build the "
+                         "whole model under torch.device('meta') (stage 3 materialises it), or none of it.")
+    return bool(tensors) and all(meta)
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    module.reset_parameters()
+
+
+def _give(p: nn.Parameter, values: torch.Tensor) -> None:
+    """Make `p` hold `values` (another device: .data cannot cross from meta), keeping the object the
+    optimizer and the wrapper hold."""
+    torch.utils.swap_tensors(p, nn.Parameter(values, requires_grad=p.requires_grad))
+
+
+class _OwnTensorsOnly(TorchDispatchMode):
+    """Refuse an initialisation that reads or writes a tensor still on the meta device."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs or {}))):
+            raise ValueError(
+                f"ShardedDataParallel(stage=3): the initialisation of {type(self.module).__name__} touches a tensor "
+                "of another module, which holds no values yet when stage 3 materialises a meta-built model module "
+                "by module. Give init_fn=f, where f(module) initialises that module's own parameters and buffers "
+                "(called for each module holding tensors of its own), or materialise before wrapping.")
+        return func(*args, **(kwargs or {}))
+
+
+class MetaInit:
+    """Pass 1 at construction (generator states, buffers); `fill` for each unit; `finish` at the end."""
+
+    def __init__(self, module: nn.Module, init_fn: Callable[[nn.Module], None] | None, group):
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                       else torch.device("cpu"))
+        self.init = init_fn or _reset_parameters
+        self.generator = (torch.cuda.default_generators[self.device.index] if self.device.type == "cuda"
+                          else torch.default_generator)
+        self.generator.set_state(comm.all_gather_object(self.generator.get_state(), group=group)[0])
+        self.owners: list[tuple[nn.Module, set[int], torch.Tensor]] = []  # (module, its parameters, state before)
+        with torch.no_grad():
+            for m in module.modules():
+                params, buffers = list(m.parameters(recurse=False)), list(m.named_buffers(recurse=False))
+                if not params and not buffers:
+                    continue  # a container: its children initialise themselves
+                for name, b in buffers:
+                    m._buffers[name] = torch.empty_like(b, device=self.device)
+                if init_fn is None and not hasattr(m, "reset_parameters"):
+                    if params:
+                        raise ValueError(
+                            f"ShardedDataParallel(stage=3): {type(m).__name__} has parameters of its own "
+                            f"({', '.join(n for n, _ in m.named_parameters(recurse=False))}) and no reset_parameters(), "
+                            "so nothing would give them values: pass init_fn=f, f(module) initialising a module's own "
+                            "parameters (called for each module holding tensors of its own).")
+                    continue
+                state = self.generator.get_state()
+                for p in params:
+                    _give(p, torch.empty_like(p, device=self.device))
+                self._run(m)
+                for p in params:  # its values come back in pass 2, in its unit's buffer
+                    _give(p, torch.empty_like(p, device="meta"))
+                if params:
+                    self.owners.append((m, {id(p) for p in params}, state))
+        self.final_state = self.generator.get_state()
+
+    def _run(self, m: nn.Module) -> None:
+        with _OwnTensorsOnly(m):
+            self.init(m)
+
+    def fill(self, params: list[nn.Parameter], world_size: int) -> torch.Tensor:
+        """One unit's flat buffer (FlatShard's layout: `params` in order, padded to a multiple of
+        world_size) holding the parameters' initial values; the parameters view it."""
+        numel = sum(p.numel() for p in params)
+        values = torch.zeros(-(-numel // world_size) * world_size, dtype=params[0].dtype, device=self.device)
+        offset, ids = 0, {id(p) for p in params}
+        for p in params:  # (through .data: a view's version counter would be the buffer's, which gathers bump)
+            shape, numel = p.shape, p.numel()
+            _give(p, torch.empty(0, dtype=p.dtype, device=self.device))
+            p.data = values[offset:offset + numel].view(shape)
+            offset += numel
+        with torch.no_grad():
+            for m, own, state in self.owners:
+                if own & ids:
+                    if not own <= ids:
+                        raise ValueError(
+                            f"ShardedDataParallel(stage=3): {type(m).__name__} holds parameters of two units, so its "
+                            "initialisation cannot run within one: choose units that keep it whole (unit_policy), "
+                            "or materialise before wrapping.")
+                    self.generator.set_state(state)
+                    self._run(m)
+        return values
+
+    def finish(self) -> None:
+        """Leave the generator where initialising the whole model at once would have."""
+        self.generator.set_state(self.final_state)

@@ -1,0 +1,30 @@
+"""A model built on the meta device, wrapped at stage 3 (and hsdp3): materialised unit by unit
+into the shards (minidist/parallel/meta_init.py), bitwise the values of initialising the whole
+model, at a peak of the shards plus one unit; what stages 1-2, DataParallel and FSDP2's own idiom
+get instead."""
+
+import pytest
+
+from meta_cases import init_fn_and_refusals, wrap_meta_built
+
+
+@pytest.mark.parametrize("world, mesh_shape", [(2, None), (4, (2, 2))])
+def test_a_meta_built_model_is_materialised_into_its_shards_as_a_whole_one_would_be(ranks, world, mesh_shape):
+    for r in ranks(world).run(wrap_meta_built, mesh_shape):
+        assert r["same"], "the weights differ from materialising the whole model with rank 0's seed"
+        assert r["after_same"], "the generator is not where initialising the whole model leaves it"
+        # measured while wrapping: at most this rank's shards plus one unit (and 64 KiB of small tensors)
+        assert r["largest_unit"] <= r["peak"] <= r["shards"] + r["largest_unit"] + 64 * 1024, r
+        assert r["peak"] < 0.75 * r["model"], r  # the whole model never was
+
+
+def test_init_fn_and_what_is_refused(ranks):
+    out = ranks(2).run(init_fn_and_refusals)[0]
+    assert out["init_fn_same"] and out["to_empty"], out
+    assert "already initialised the model while wrapping" in out["reset"] and "Drop the" in out["reset"], out
+    assert "no reset_parameters()" in out["no_reset"] and "init_fn=" in out["no_reset"], out
+    assert "touches a tensor of another module" in out["tangled"] and "init_fn=" in out["tangled"], out
+    for wrapper in ("stage2", "ddp"):
+        assert "meta device" in out[wrapper] and "ShardedDataParallel(stage=3)" in out[wrapper], (wrapper, out)
+    assert "leave init_fn out" in out["init_fn_built"], out
+    assert "Use stage=3" in out["init_fn_stage2"], out
