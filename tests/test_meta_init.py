@@ -22,7 +22,7 @@ def test_init_fn_and_what_is_refused(ranks):
     out = ranks(2).run(init_fn_and_refusals)[0]
     assert out["init_fn_same"] and out["to_empty"], out
     assert "already initialised the model while wrapping" in out["reset"] and "Drop the" in out["reset"], out
-    assert "no reset_parameters()" in out["no_reset"] and "init_fn=" in out["no_reset"], out
+    assert "(gain, offset) and no reset_parameters()" in out["no_reset"] and "init_fn=" in out["no_reset"], out
     assert "touches a tensor of another module" in out["tangled"] and "init_fn=" in out["tangled"], out
     for wrapper in ("stage2", "ddp"):
         assert "meta device" in out[wrapper] and "ShardedDataParallel(stage=3)" in out[wrapper], (wrapper, out)

@@ -96,14 +96,12 @@ class MetaInit:
                     continue  # a container: its children initialise themselves
                 for name, b in buffers:
                     m._buffers[name] = torch.empty_like(b, device=self.device)
-                if init_fn is None and not hasattr(m, "reset_parameters"):
-                    if params:
-                        raise ValueError(
-                            f"ShardedDataParallel(stage=3): {type(m).__name__} has parameters of its own "
-                            f"({', '.join(n for n, _ in m.named_parameters(recurse=False))}) and no reset_parameters(), "
-                            "so nothing would give them values: pass init_fn=f, f(module) initialising a module's own "
-                            "parameters (called for each module holding tensors of its own).")
-                    continue
+                if init_fn is None and not hasattr(m, "reset_parameters"):  # (a mask made in __init__ is lost too)
+                    names = [n for n, _ in m.named_parameters(recurse=False)] + [n for n, _ in buffers]
+                    raise ValueError(
+                        f"ShardedDataParallel(stage=3): {type(m).__name__} has tensors of its own ({', '.join(names)}) "
+                        "and no reset_parameters(), so nothing would give them values: pass init_fn=f, f(module) "
+                        "initialising a module's own parameters and buffers (called for each module holding some).")
                 state = self.generator.get_state()
                 for p in params:
                     _give(p, torch.empty_like(p, device=self.device))
