@@ -117,6 +117,11 @@ class ParamSlot:
     numel: int
 
 
+def padded_numel(numel: int, world_size: int) -> int:
+    """A flat group's length: its parameters back to back, padded to a multiple of world_size."""
+    return -(-numel // world_size) * world_size
+
+
 def order_by_group(ids: list[int], group_of: list[int]) -> list[int]:
     """`ids` with the parameters of each optimizer group together, in group order (stable):
     the layout FlatShard needs to cut its master shard into one piece per group."""
@@ -149,7 +154,7 @@ class FlatShard:
             self.slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel()))
             offset += p.numel()
         self.numel = offset
-        self.padded = -(-offset // world_size) * world_size
+        self.padded = padded_numel(offset, world_size)
         self.shard_size = self.padded // world_size
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 

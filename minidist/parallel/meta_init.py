@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from minidist import comm
+from minidist.parallel.flat_shard import padded_numel
 
 
 def is_meta_built(module: nn.Module) -> bool:
@@ -119,8 +120,8 @@ class MetaInit:
     def fill(self, params: list[nn.Parameter], world_size: int) -> torch.Tensor:
         """One unit's flat buffer (FlatShard's layout: `params` in order, padded to a multiple of
         world_size) holding the parameters' initial values; the parameters view it."""
-        numel = sum(p.numel() for p in params)
-        values = torch.zeros(-(-numel // world_size) * world_size, dtype=params[0].dtype, device=self.device)
+        values = torch.zeros(padded_numel(sum(p.numel() for p in params), world_size), dtype=params[0].dtype,
+                             device=self.device)
         offset, ids = 0, {id(p) for p in params}
         for p in params:  # (through .data: a view's version counter would be the buffer's, which gathers bump)
             shape, numel = p.shape, p.numel()
