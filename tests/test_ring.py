@@ -170,23 +170,42 @@ def test_a_sync_call_waits_its_turn(ranks):
     assert all(ranks(3).run(sync_call_behind_async_ones, timeout_s=60))
 
 
-def shutdown_with_transfers_in_flight() -> bool:
-    """Fresh ranks (launched by run_local): large async ring gathers, then shutdown() at once."""
-    import minidist
+# Fresh ranks as a script runs them: large async ring gathers in flight, then the script ends as
+# argv[1] says: minidist.shutdown() (drains the ring first), torch's destroy_process_group(), or
+# no call at all. Either of the last two left a transfer running as the interpreter exited, which
+# aborted the process in gloo ("terminate called without an active exception"): an exit hook drains.
+ENDS_IN_FLIGHT = """
+import sys, torch, minidist, torch.distributed as dist
+from minidist import comm
+ctx = minidist.init_distributed(backend="gloo", timeout_s=60)
+handles = [comm.all_gather_into(torch.empty(ctx.world_size * (4 << 20)), torch.ones(4 << 20), algorithm="ring",
+                                async_op=True) for _ in range(3)]
+if sys.argv[1] == "shutdown":
+    minidist.shutdown()
+    assert all(h.is_completed() for h in handles)
+elif sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+"""
 
-    ctx = minidist.init_distributed(backend="gloo", timeout_s=60)
-    n = ctx.world_size
-    handles = [comm.all_gather_into(torch.empty(n * (4 << 20)), torch.ones(4 << 20), algorithm="ring",
-                                    async_op=True) for _ in range(3)]
-    minidist.shutdown()  # drains the ring first: destroying gloo under a transfer aborts the process
-    return all(h.is_completed() for h in handles)
 
+@pytest.mark.slow(stand_in="test_ring_collectives_equal_the_backend")  # fresh ranks, ended as scripts end
+@pytest.mark.parametrize("end", ["shutdown", "destroy", "exit"])
+def test_a_script_may_end_with_ring_calls_in_flight(end):
+    import os
+    import socket
+    import subprocess
+    import sys
 
-@pytest.mark.slow(stand_in="test_ring_collectives_equal_the_backend")  # fresh ranks: shutdown ends their group
-def test_shutdown_waits_for_ring_calls_in_flight():
-    from minidist.train.app import run_local
-
-    assert all(run_local(shutdown_with_transfers_in_flight, nproc=2).values())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", ENDS_IN_FLIGHT, end], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and "terminate called" not in err, (end, p.returncode, err[-2000:])
 
 
 def auto_on_cuda_tensors():

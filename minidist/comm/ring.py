@@ -29,6 +29,7 @@ user's send/recv on the same group.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import queue
 import threading
@@ -127,6 +128,10 @@ def run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
         if _worker is None:
             _worker = _Worker()
             before_shutdown(drain)
+            # A script that ends without minidist.shutdown() (or ends with torch's own
+            # destroy_process_group) may leave a transfer in flight, e.g. stages 1-2's gathers after
+            # the last step: the interpreter's exit under it aborts the process in gloo.
+            atexit.register(drain)
         if not async_op and _worker.pending == 0:
             fn()
             return None
