@@ -161,6 +161,9 @@ def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]  # one C-speed pass
+    # A gradient autograd set in C++ has no Python object, so no garbage-collector entry, until Python
+    # reads it (a first backward under no_sync): reached through its parameter instead.
+    tensors += [t.grad for t in tensors if t.requires_grad and t.is_leaf and t.grad is not None]
     for obj in tensors:
         try:
             if obj.device.type == device_type:

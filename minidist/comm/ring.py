@@ -92,6 +92,7 @@ class _Worker:
             with _order_lock:
                 self.pending -= 1
             work._finish(error)
+            del fn, work, error  # the call's tensors (a reduce buffer) are not kept till the next call
 
     def submit(self, fn) -> RingWork:
         work = RingWork()

@@ -109,13 +109,14 @@ class FlatBuffers:
 
 
 class BufferPool:
-    """Scratch flat buffers, taken and given back, reused across buckets and steps.
+    """Scratch flat buffers, taken and given back, reused across the buckets of one backward.
 
-    Strategies that need full-size scratch space every step (ZeRO-2/3 gradients before
-    their reduce_scatter) then neither keep one buffer per bucket forever nor pay an
-    allocation (and page faults) each time. Every buffer is allocated with at least
-    `capacity` elements and serves any request up to its size (as a view of its start),
-    so the pool holds only as many buffers as were ever in use at once.
+    ZeRO-2/3 fill each bucket's (unit's) full-size gradients into one before its reduce_scatter.
+    Every buffer is allocated with at least `capacity` elements and serves any request up to its
+    size (as a view of its start), so a backward holds only as many as are in flight at once
+    (max_inflight); `clear()` after it frees them, so between backwards a rank holds its gradient
+    shard alone, as the ZeRO paper counts (a buffer the size of the whole model, where one bucket
+    holds it, would outweigh the shard it feeds).
     """
 
     def __init__(self, capacity: int = 0):
@@ -136,6 +137,10 @@ class BufferPool:
 
     def put(self, t: torch.Tensor) -> None:
         self._free.append(self._in_use.pop(t.untyped_storage().data_ptr()))
+
+    def clear(self) -> None:
+        """Free the buffers given back (those in use stay theirs)."""
+        self._free = []
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer the pool holds, in use or free (for memory reports)."""

@@ -684,13 +684,13 @@ class ZeroStage1(ZeroStage12):
 
 class ZeroStage2(ZeroStage12):
     """Stage 2: full-size gradient buffers come from a pool as buckets fill during backward and go
-    back as soon as their reduce_scatter is done; gradients exist sharded only."""
+    back as soon as their reduce_scatter is done, freed when it ends; gradients persist sharded only."""
 
     def _overlap(self, overlap: bool | None) -> bool:
         return overlap is not False
 
     def _after_buckets(self, buckets: list[ShardBucket]) -> None:
-        # Full-size gradient buffers, reused across buckets and steps; each can hold any bucket.
+        # Full-size gradient buffers, reused across the buckets of a backward; each can hold any bucket.
         self._pool = BufferPool(capacity=max(shard.padded for shard in self._shards))
 
     def _allocate(self, bucket: ShardBucket) -> None:
@@ -724,6 +724,10 @@ class ZeroStage2(ZeroStage12):
             if bucket.buffer is not None and bucket.handle is not None and bucket.handle.is_completed():
                 bucket.handle.wait()
                 self._release(bucket)
+
+    def _after_backward(self, used_anywhere) -> None:
+        super()._after_backward(used_anywhere)
+        self._pool.clear()  # between backwards: the gradient shard only
 
     def _comm_buffer_tensors(self) -> list[torch.Tensor]:
         return self._pool.tensors()

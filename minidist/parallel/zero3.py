@@ -416,6 +416,7 @@ class ZeroStage3(ShardedDataParallel):
                         self._reduce(u)
                 while self._inflight:
                     self._complete(self._inflight[0])
+                self._pool.clear()  # between backwards: the gradient shard only
                 self._gradients_ready()
         finally:
             self._in_backward = False
