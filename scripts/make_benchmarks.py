@@ -51,6 +51,7 @@ WORLDS = (1, 2, 3, 4)
 BUCKETS = (0.25, 1, 4, 25, 100)
 HYBRID = "[hsdp3,native_hsdp,hsdp2,zero3,native_fsdp,ddp]"
 TIMELINES = ("ddp", "ddp_no_overlap", "native_ddp", "zero2", "zero3", "native_fsdp")
+ACCUMULATED = ("zero2", "zero3", "native_fsdp")  # each beside its variant with strategy.accumulate=sharded
 
 
 def runs() -> dict[str, list[str]]:
@@ -66,6 +67,10 @@ def runs() -> dict[str, list[str]]:
         for overlap in ("true", "false"):
             out[f"bound_{model}_{overlap}"] = [*extra, "compare.strategies=[ddp,native_ddp]",
                                                f"+compare.overrides.ddp.overlap={overlap}", "compare.steps=30"]
+    out["accumulate"] = [
+        f"compare.strategies=[{','.join(n + v for n in ACCUMULATED for v in ('', '_sharded'))}]", "trainer.grad_accum=4",
+        "+compare.variants={" + ",".join(f"{n}_sharded:{{of:{n},accumulate:sharded}}" for n in ACCUMULATED) + "}",
+        "compare.warmup=3", "compare.steps=15"]
     out["hybrid"] = ["launcher.nproc=4", f"compare.strategies={HYBRID}", "compare.shard_size=2", "compare.warmup=3",
                      "compare.steps=15"]
     return out
@@ -367,6 +372,53 @@ def hybrid_section(r: dict) -> list[str]:
     ]
 
 
+def accumulate_section(r: dict) -> list[str]:
+    """strategy.accumulate local against sharded at 4 micro-batches: peak memory, bytes, step time."""
+    rows, n, psi = r["rows"], r["world_size"], r["psi"]
+    headers, body = table_rows(rows)
+    saved_in_theory = 4 * psi * (n - 1) / n  # the full gradient less its shard
+    pairs = [(rows[b], rows[b + "_sharded"]) for b in ACCUMULATED]
+    lines = []
+    for a, b in pairs:
+        rs = b["bytes_per_step"]["reduce_scatter"] / a["bytes_per_step"]["reduce_scatter"] if \
+            "reduce_scatter" in a["bytes_per_step"] else None  # fully_shard's bytes are not traced
+        lines.append(f"- {a['strategy']}: peak {mib(a['peak_bytes'])} local, {mib(b['peak_bytes'])} sharded "
+                     f"({mib(a['peak_bytes'] - b['peak_bytes'])} less)" +
+                     (f"; {rs:.2f}x the reduce_scatter bytes" if rs else "") +
+                     f"; step time {b['time_ratio']:.3f}{interval(b)} of local's.")
+    zero2 = rows["zero2"]["model_state_bytes"]["total"] / variant_spec("zero2").model_state_bytes(psi, n)
+    return [
+        "## Accumulation: full gradients or the shard",
+        "",
+        f"`{command(runs()['accumulate'])}`",
+        "",
+        f"{r['model']} ({r['psi'] / 1e6:.2f}M parameters), {n} ranks, 4 micro-batches per step (global batch "
+        f"{r['global_batch']}); {r['warmup']} warm-up + {r['steps']} timed steps, interleaved. `local` (the "
+        "default) accumulates the full gradient under no_sync and reduces it once a step; `sharded` "
+        "reduce_scatters every micro-batch into the gradient shard (FSDP2's default loop, DeepSpeed's stage 2).",
+        "",
+        markdown_table(headers, body),
+        "",
+        *lines,
+        f"- The full gradient less its shard, 4Ψ(N-1)/N: {mib(saved_in_theory)}: what sharded should save at the "
+        "peak, where the full gradient and the activations are alive together.",
+        f"- The trade-off, from these rows: sharded saves {mib(min(a['peak_bytes'] - b['peak_bytes'] for a, b in pairs))}"
+        f"-{mib(max(a['peak_bytes'] - b['peak_bytes'] for a, b in pairs))} per rank for "
+        f"{min(b['time_ratio'] for _, b in pairs):.2f}-{max(b['time_ratio'] for _, b in pairs):.2f}x the step time "
+        "and 4x the gradient's bytes: worth it where memory, not the network, is short.",
+        f"- zero2's model state (gradients complete, before the step): "
+        f"{mib(rows['zero2']['model_state_bytes']['total'])}, {zero2:.3f}x the ZeRO paper's 4Ψ + 12Ψ/N (its reduce "
+        "buffers are freed after each backward).",
+        "",
+        "### Communication per step",
+        "",
+        bytes_table(rows),
+        "",
+        memory_table(rows),
+        "",
+    ]
+
+
 CHECKPOINT = DATA / "checkpoint_async.json"
 CHECKPOINT_COMMAND = ["rounds=4", "steps=40", "ckpt_every=10", "micro_batch_size=1"]
 CHECKPOINT_TARGET = 0.2  # async blocks training under a fifth of the synchronous time
@@ -635,6 +687,7 @@ def render(img: Path = IMG) -> str:
         *bound_section({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
                         if have(f"bound_{m}_{o}")}),
         *(hybrid_section(load("hybrid")) if have("hybrid") else []),
+        *(accumulate_section(load("accumulate")) if have("accumulate") else []),
         *checkpoint_section(),
         *wires_section(),
         *diloco_doc.section(img),

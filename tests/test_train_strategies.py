@@ -187,3 +187,29 @@ def test_trainer_writes_the_timeline_of_a_chosen_step(ranks, tmp_path):
     assert {e["name"] for e in trace if e["ph"] == "X"} >= {"forward", "backward", "optimizer", "compute"}
     assert any(e["name"].startswith(("ring:", "gloo:")) for e in trace if e["ph"] == "X")
     assert (tmp_path / "timeline_step_3.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("strategy", ["zero2", "zero3", "hsdp2"])
+def test_sharded_accumulation_trains_as_local_and_as_fsdp2s_default(strategy, ranks, tmp_path):
+    """strategy.accumulate=sharded at trainer.grad_accum=4: every micro-batch's backward reduce_scatters
+    into the gradient shard (4x the gradient's bytes of local: its reduce_scatter, and on a mesh its
+    all_reduce across the replicas; the same all_gather bytes), and the model ends where local
+    accumulation (one reduction of the summed gradient) and FSDP2's own default loop (backward after
+    backward, no set_requires_gradient_sync) end, within 1e-6."""
+    def run(name, mode):
+        cfg = tiny(*mesh_options(name), "trainer.grad_accum=4", "trainer.max_steps=3", f"strategy.accumulate={mode}",
+                   strategy=name)
+        return ranks(world_for(name)).run(train_on_rank, cfg, str(tmp_path / f"{name}_{mode}"), timeout_s=120)[0]
+    local, sharded = run(strategy, "local"), run(strategy, "sharded")
+    assert sharded["comm/reduce_scatter_bytes_per_step"] == 4 * local["comm/reduce_scatter_bytes_per_step"]
+    if strategy == "hsdp2":  # + the clipping norm's few bytes of all_reduce, once a step in both
+        assert sharded["comm/all_reduce_bytes_per_step"] == pytest.approx(4 * local["comm/all_reduce_bytes_per_step"],
+                                                                          rel=1e-3)
+    assert sharded["comm/all_gather_bytes_per_step"] == local["comm/all_gather_bytes_per_step"]
+    finals = {"local": local["full_state"]}
+    if strategy == "zero3":
+        finals["native_fsdp"] = run("native_fsdp", "sharded")["full_state"]
+    for name, final in finals.items():
+        for key, ref in final.items():
+            diff = (sharded["full_state"][key] - ref).abs().max().item()
+            assert diff <= 1e-6 * max(1.0, ref.abs().max().item()), f"{name} {key}: {diff}"

@@ -84,15 +84,17 @@ def compressed(options) -> bool:
     return any(options.get(k) is not None for k in WIRE_OPTIONS)
 
 
-def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4,
-                      shard: int | None = None, sync_every: int = 1, options=None) -> dict[str, float]:
+def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4, shard: int | None = None,
+                      sync_every: int = 1, options=None, micro_batches: int = 1) -> dict[str, float]:
     """Ring-model bytes sent per rank per optimizer step, per op ({} for one rank, or n == 1).
     Hybrid strategies need `shard`, the size S of their shard groups ({} without it); DiLoCo's
     outer collectives are averaged over their round of `sync_every` steps. `options`: the
     strategy's config, where an option changes what it sends (DiLoCo's strategy.inner) or what
-    it sends it as (grad_wire, param_wire, outer_wire)."""
+    it sends it as (grad_wire, param_wire, outer_wire), or how often (accumulate); `micro_batches`
+    per optimizer step (trainer.grad_accum)."""
     return spec(strategy).for_options(options).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes,
-                                                          sync_every=sync_every, options=options)
+                                                          sync_every=sync_every, options=options,
+                                                          micro_batches=micro_batches)
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -161,7 +163,8 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
         state = max(memory, key=lambda m: m["model_state"].get("total", 0))["model_state"]
         lossy = compressed(opts) or s.checked_by == "loss"  # rounded wires, or another algorithm (DiLoCo)
         theory = theoretical_bytes(base_of(name, variants), psi, n, shard=shard,
-                                   sync_every=int(opts.get("sync_every") or 1), options=opts)
+                                   sync_every=int(opts.get("sync_every") or 1), options=opts,
+                                   micro_batches=int(results.get("grad_accum", 1)))
         rows[name] = {
             "strategy": name, "kind": kind(name, variants), "reference": reference_of(name, names, references, variants),
             "checked_by": "loss" if lossy else "parameters",

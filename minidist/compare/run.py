@@ -191,7 +191,7 @@ def _compare(cfg, ctx) -> dict | None:
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "psi": psi, "strategies": names,
         "model": cfg.model.name, "data": cfg.data.name, "warmup": warmup, "steps": steps,
-        "global_batch": int(t.micro_batch_size) * grad_accum * ctx.world_size,
+        "global_batch": int(t.micro_batch_size) * grad_accum * ctx.world_size, "grad_accum": grad_accum,
         "per_step": per,
         "timelines": {n: {r: g["timelines"][n] for r, g in enumerate(gathered)} for n in timelines},
         "memory": {n: [g["memory"][n] for g in gathered] for n in names},

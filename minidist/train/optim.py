@@ -14,8 +14,10 @@ One optimizer step through a strategy: the trainer's and the comparison's, the s
     accumulate_and_step(..., before_optimizer=lambda: strategy.memory_report())   # gradients complete
 
 All micro-batches but the last run under the strategy's no_sync (accumulation without
-communication); each loss is divided by their number, so the gradient is the mean over
-the global batch. Forward, backward and the optimizer run inside profiler ranges
+communication), unless strategy.accumulate=sharded (stages 2-3, FSDP2): then every backward
+reduce-scatters into the gradient shard, as FSDP2's and DeepSpeed's loops do, and no rank holds
+a full gradient between micro-batches. Each loss is divided by their number, so the gradient is
+the mean over the global batch. Forward, backward and the optimizer run inside profiler ranges
 ("minidist.forward", ...), which cost nothing unless torch.profiler is recording:
 they are what the comparison's timeline draws as compute.
 """
@@ -82,9 +84,10 @@ def accumulate_and_step(strategy, micro_batches: Iterable[tuple[torch.Tensor, to
     the global gradient norm before clipping)."""
     micro_batches = list(micro_batches)
     n = len(micro_batches)
+    local = strategy.cfg.get("accumulate", "local") == "local"
     loss_sum = None
     for k, (x, y) in enumerate(micro_batches):
-        with (contextlib.nullcontext() if k == n - 1 else strategy.no_sync()):
+        with (strategy.no_sync() if local and k < n - 1 else contextlib.nullcontext()):
             with record_function("minidist.forward"), autocast():
                 loss = loss_fn(strategy.model(x), y) / n
             with record_function("minidist.backward"):

@@ -17,7 +17,8 @@ import contextlib
 import torch
 
 from minidist.train.strategies.base import Strategy, mesh_dims
-from minidist.train.strategies.registry import ALL_REDUCE, Collective, StrategySpec, ZERO3, in_shard_groups, register
+from minidist.train.strategies.registry import (ACCUMULATE, ALL_REDUCE, Collective, StrategySpec, ZERO3, in_shard_groups,
+                                                register)
 
 
 class NativeDDP(Strategy):
@@ -178,8 +179,9 @@ register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataPar
                       zero_stage=1, collectives=ALL_REDUCE + (Collective("broadcast"),),
                       options=DDP_OPTIONS, choices=HOOKS, traces_comm=False))
 register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
-                      zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params",),
-                      checkpoint="dcp", traces_comm=False))
+                      zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params", "accumulate"),
+                      choices=ACCUMULATE, checkpoint="dcp", traces_comm=False))
 register(StrategySpec("native_hsdp", "native", NativeHSDP, "fully_shard on a 2-D DeviceMesh: FSDP2's HSDP",
-                      zero_stage=3, hybrid=True, messages="units", options=("min_unit_params", "shard_size"),
+                      zero_stage=3, hybrid=True, messages="units", choices=ACCUMULATE,
+                      options=("min_unit_params", "shard_size", "accumulate"),
                       collectives=in_shard_groups(ZERO3), checkpoint="dcp", traces_comm=False))

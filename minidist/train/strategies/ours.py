@@ -31,8 +31,8 @@ from minidist.measure import measure
 from minidist.parallel.diloco import DiLoCo
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy, build_mesh
-from minidist.train.strategies.registry import (ALL_REDUCE, Collective, StrategySpec, ZERO12, ZERO3, in_shard_groups,
-                                                register)
+from minidist.train.strategies.registry import (ACCUMULATE, ALL_REDUCE, Collective, StrategySpec, ZERO12, ZERO3,
+                                                in_shard_groups, register)
 
 
 class Single(Strategy):
@@ -124,7 +124,7 @@ class OursZero(ShardedModelState, Strategy):
 
         stage, c = self.spec.zero_stage, self.cfg
         # The options this stage takes (its spec's), as the config gives them; shard_size makes the mesh.
-        kwargs = {key: c[key] for key in self.spec.options if key != "shard_size"}
+        kwargs = {key: c[key] for key in self.spec.options if key not in ("shard_size", *ACCUMULATE)}
         if self.spec.hybrid:
             kwargs["mesh"] = build_mesh(c)
         if stage == 3 and self.compute_dtype is not None:  # gathered in bf16, reduced in fp32
@@ -169,8 +169,10 @@ WIRE_OPTIONS = ("grad_wire", "param_wire", "quant_block")
 ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters") + WIRE_OPTIONS,
                 3: ("min_unit_params", "broadcast_buffers", "collectives") + WIRE_OPTIONS}  # stage 3: units, not buckets
 HPZ = ("secondary_shard",)  # flat stage 3 only: hybrid sharding gathers within the host already
-ZERO_OPTIONS[2] = ZERO_OPTIONS[1]
-ZERO_CHOICES = {"grad_wire": WIRES, "param_wire": WIRES}
+ZERO_OPTIONS[2] = ZERO_OPTIONS[1] + tuple(ACCUMULATE)
+ZERO_OPTIONS[3] += tuple(ACCUMULATE)
+ZERO_CHOICES = {1: {"grad_wire": WIRES, "param_wire": WIRES}}
+ZERO_CHOICES[2] = ZERO_CHOICES[3] = {**ZERO_CHOICES[1], **ACCUMULATE}
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
                       collectives=(), single_rank=True))
 register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucketed all_reduce overlapped with "
@@ -186,7 +188,7 @@ for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],
                           zero_stage=_stage, messages="units" if _stage == 3 else "buckets",
                           collectives=_collectives, options=ZERO_OPTIONS[_stage] + (HPZ if _stage == 3 else ()),
-                          choices=ZERO_CHOICES,
+                          choices=ZERO_CHOICES[_stage],
                           flat_optimizer_shards=True))
 for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"hsdp{_stage}", "minidist", OursZero, f"ShardedDataParallel stage {_stage} on a mesh: "
@@ -194,7 +196,7 @@ for _stage, _collectives in ((2, ZERO12), (3, ZERO3)):
                           checkpoint="sharded", reference={2: "native_ddp", 3: "native_hsdp"}[_stage],
                           zero_stage=_stage, hybrid=True, messages="units" if _stage == 3 else "buckets",
                           collectives=in_shard_groups(_collectives),
-                          options=ZERO_OPTIONS[_stage] + ("shard_size",), choices=ZERO_CHOICES,
+                          options=ZERO_OPTIONS[_stage] + ("shard_size",), choices=ZERO_CHOICES[_stage],
                           flat_optimizer_shards=True))
 
 

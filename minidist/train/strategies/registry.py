@@ -65,8 +65,10 @@ SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
 class Collective:
     """One collective a step performs: `op` over `group`, carrying `payload` ("model": all Ψ
     parameters; "shard": 1/S of them, one shard group's piece), `count` times per step; `per_round`:
-    once per round of strategy.sync_every (H) steps instead; `wire`: the option naming the format
-    it travels as, where one does (None: the element size it is priced at)."""
+    once per round of strategy.sync_every (H) steps instead; `per_micro_batch`: once per micro-batch
+    (stage 3's gathers: every forward and backward gathers); `wire`: the option naming the format
+    it travels as, where one does (None: the element size it is priced at). The gradient's
+    collectives (wire grad_wire) run every micro-batch under strategy.accumulate=sharded."""
 
     op: str
     group: str = "world"
@@ -74,6 +76,7 @@ class Collective:
     count: int = 1
     per_round: bool = False
     wire: str | None = None
+    per_micro_batch: bool = False
 
     def __post_init__(self):
         if self.op not in OPS or self.group not in GROUPS or self.payload not in ("model", "shard"):
@@ -86,13 +89,21 @@ class Collective:
 # as strategy.grad_wire, gathered parameters as strategy.param_wire, where a strategy takes them.
 ALL_REDUCE = (Collective("all_reduce", wire="grad_wire"),)
 ZERO12 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", wire="param_wire"))
-ZERO3 = (Collective("reduce_scatter", wire="grad_wire"), Collective("all_gather", count=2, wire="param_wire"))
+ZERO3 = (Collective("reduce_scatter", wire="grad_wire"),
+         Collective("all_gather", count=2, wire="param_wire", per_micro_batch=True))
+
+
+# strategy.accumulate (read by the step, train/optim.py, not the wrapper): where gradients add up across
+# micro-batches: "local", in full under no_sync, one reduction per step; "sharded", in the gradient shard,
+# a reduction per micro-batch. Taken by the strategies that hold a gradient shard (stages 2-3).
+ACCUMULATE = {"accumulate": ("local", "sharded")}
 
 
 def in_shard_groups(collectives: tuple[Collective, ...]) -> tuple[Collective, ...]:
     """`collectives` within each shard group, then each rank's 1/S all_reduced across the replicas:
     the hybrid form of a pattern (HSDP, the two-level all_reduce)."""
-    return tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire) for c in collectives) + \
+    return tuple(Collective(c.op, "shard", c.payload, c.count, wire=c.wire, per_micro_batch=c.per_micro_batch)
+                 for c in collectives) + \
         (Collective("all_reduce", group="replicas", payload="shard", wire="grad_wire"),)
 
 
@@ -171,22 +182,24 @@ class StrategySpec:
         return ops
 
     def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: float = 4,
-                   sync_every: int = 1, options=None) -> dict[str, float]:
-        """Ring-model bytes one rank sends per optimizer step, per op ({} on one rank, or for a
-        hybrid strategy without `shard`, the size S of its shard groups); the per-round
-        collectives averaged over their round of `sync_every` steps. `options` (the strategy's
-        config): a collective whose wire option it sets is priced at that format's bytes an
-        element (quant_block's scales included), the others at `element_bytes`."""
+                   sync_every: int = 1, options=None, micro_batches: int = 1) -> dict[str, float]:
+        """Ring-model bytes one rank sends per optimizer step of `micro_batches`, per op ({} on one
+        rank, or for a hybrid strategy without `shard`, the size S of its shard groups); the
+        per-round collectives averaged over their round of `sync_every` steps. `options` (the
+        strategy's config): a collective whose wire option it sets is priced at that format's bytes
+        an element (quant_block's scales included), the others at `element_bytes`."""
         sizes = self.group_sizes(n, shard)
         if n <= 1 or sizes is None:
             return {}
+        sharded = (options or {}).get("accumulate") == "sharded"
         out: dict[str, float] = {}
         for c in self.collectives:
             g = sizes[c.group]
             m = psi * wire_element_bytes(c.wire, options, element_bytes) / (shard if c.payload == "shard" else 1)
             sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
+            times = micro_batches if c.per_micro_batch or (sharded and c.wire == "grad_wire") else 1
             if sent:
-                out[c.op] = out.get(c.op, 0.0) + c.count * sent / (sync_every if c.per_round else 1)
+                out[c.op] = out.get(c.op, 0.0) + times * c.count * sent / (sync_every if c.per_round else 1)
         return out
 
     def sharded_over(self, part: str) -> bool:
