@@ -372,6 +372,12 @@ def hybrid_section(r: dict) -> list[str]:
     ]
 
 
+def span(values: list[float], fmt) -> str:
+    """"a-b" from the least to the most of `values`, or "a" where they round alike."""
+    low, high = fmt(min(values)), fmt(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
 def accumulate_section(r: dict) -> list[str]:
     """strategy.accumulate local against sharded at 4 micro-batches: peak memory, bytes, step time."""
     rows, n, psi = r["rows"], r["world_size"], r["psi"]
@@ -402,10 +408,9 @@ def accumulate_section(r: dict) -> list[str]:
         *lines,
         f"- The full gradient less its shard, 4Ψ(N-1)/N: {mib(saved_in_theory)}: what sharded should save at the "
         "peak, where the full gradient and the activations are alive together.",
-        f"- The trade-off, from these rows: sharded saves {mib(min(a['peak_bytes'] - b['peak_bytes'] for a, b in pairs))}"
-        f"-{mib(max(a['peak_bytes'] - b['peak_bytes'] for a, b in pairs))} per rank for "
-        f"{min(b['time_ratio'] for _, b in pairs):.2f}-{max(b['time_ratio'] for _, b in pairs):.2f}x the step time "
-        "and 4x the gradient's bytes: worth it where memory, not the network, is short.",
+        f"- The trade-off, from these rows: sharded saves {span([a['peak_bytes'] - b['peak_bytes'] for a, b in pairs], mib)}"
+        f" per rank at the peak for {span([b['time_ratio'] for _, b in pairs], '{:.2f}'.format)}x the step time and "
+        "4x the gradient's bytes: worth it where memory, not the network, is short.",
         f"- zero2's model state (gradients complete, before the step): "
         f"{mib(rows['zero2']['model_state_bytes']['total'])}, {zero2:.3f}x the ZeRO paper's 4Ψ + 12Ψ/N (its reduce "
         "buffers are freed after each backward).",
