@@ -6,6 +6,8 @@ fully_shard (stage 3). Tolerance 1e-6 as defined in ddp_cases.max_rel_diff; many
 cases are in fact bitwise equal.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,6 +197,58 @@ def test_missing_shards_are_named(ranks):
     saved = [r[0] for r in ranks(4).run(zero_cases.save_then_continue, 2)]
     msg = ranks(2).run(incomplete_shards, saved)[1]
     assert "are all ranks' shards loaded?" in msg
+
+
+class Attention(torch.nn.Module):
+    """nn.MultiheadAttention computes with its out_proj's weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.attn(h, h, h, need_weights=False)[0]).mean(1)
+
+
+def late_gathers_against_ddp():
+    """Stage 2 with every after-step gather landing only when waited for (the slowest network): a
+    forward must wait for each bucket before anything reads it. Bitwise native DDP's, at 2 ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from minidist.parallel.flat_shard import FlatShard
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    base = Attention()
+    model = minidist.ShardedDataParallel(copy.deepcopy(base), zero_cases.OPTIMIZERS["adamw"], stage=2,
+                                         bucket_cap_mb=0.001)
+
+    class Late:  # the gather happens when waited for
+        def __init__(self, shard):
+            self.shard = shard
+
+        def wait(self):
+            FlatShard.gather_full(self.shard)
+    for shard in model._shards:
+        shard.gather_full = lambda async_op=False, shard=shard: Late(shard) if async_op else \
+            FlatShard.gather_full(shard)
+    ref_net = copy.deepcopy(base)
+    ref, ref_opt = DDP(ref_net), zero_cases.OPTIMIZERS["adamw"](ref_net.parameters())
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * n, 4, 8, generator=g), torch.randn(2 * n, 8, generator=g)
+        for m, opt in ((model, model.optimizer), (ref, ref_opt)):
+            torch.nn.functional.mse_loss(m(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
+            opt.step()
+            opt.zero_grad()
+    return max_rel_diff(model.full_state_dict(), ref_net.state_dict())
+
+
+def test_a_forward_waits_for_the_parameters_a_module_reads_of_its_submodules(ranks):
+    for rel, where in ranks(2).run(late_gathers_against_ddp):
+        assert rel == 0.0, (rel, where)
 
 
 # --------------------------------------------------------------------------- memory

@@ -564,10 +564,15 @@ class ZeroStage12(ShardedDataParallel):
         return self._cast_output(out)
 
     def _watch_parameter_use(self) -> None:
-        """A pre-forward hook on every module that owns parameters: wait for the gathers of its buckets."""
+        """A pre-forward hook on every module that owns parameters: wait for the gathers of the
+        buckets of its parameters and its submodules' (nn.MultiheadAttention computes with its
+        out_proj's weight without calling out_proj: its own parameters alone would let it read a
+        bucket still being gathered)."""
         bucket_of = {id(p): self._backward.where[i][0].index for i, p in enumerate(self._params)}
         for module in self.module.modules():
-            ks = sorted({bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of})
+            if not any(id(p) in bucket_of for p in module.parameters(recurse=False)):
+                continue
+            ks = sorted({bucket_of[id(p)] for p in module.parameters() if id(p) in bucket_of})
             if ks:
                 module.register_forward_pre_hook(lambda *_, ks=ks: self._wait_gathers(ks))
 
