@@ -1,25 +1,19 @@
 """Buckets, the core of DataParallel and ZeRO 1-2: flat buffers and bucket plans, and their collectives
 launched in index order from backward hooks.
 
-Flat buffers and bucket plans: the memory layout gradient communication works on.
-
-One collective per tensor is slow (a fixed cost per call); one collective for
-the whole model cannot start until the last gradient exists. Buckets sit in
-between: gradients are packed, in the order backward produces them, into flat
-buffers of bounded size, and each buffer is reduced as soon as it is full.
-
-The backward-pass schedule DataParallel and ShardedDataParallel (stages 1-2) share.
+One collective per tensor pays a fixed cost per call; one for the whole model cannot start until
+the last gradient exists. Buckets sit between: gradients are packed, in the order backward makes
+them, into flat buffers of bounded size, each reduced as soon as it is full. The schedule:
 
     hook per parameter --> its gradient goes into its bucket slot (fill_slot)
     bucket complete    --> launched, strictly in bucket order (launch -> handle)
     backward finished  --> autograd-engine callback: launch what is left, wait for
                            every bucket, hand the results over (after_backward)
 
-A model *has* a BucketedBackward (composition): the model says *what* happens to a bucket
-(all_reduce, reduce_scatter, ...) by providing the methods of `BucketReducer`; the
-BucketedBackward decides *when*, and owns every piece of state about the backward in
-progress. Launching in bucket order on every rank is what keeps collectives lined up across
-ranks even when gradients become ready in a different order on each.
+A model *has* a BucketedBackward: the model says *what* happens to a bucket (all_reduce,
+reduce_scatter, ...) through `BucketReducer`'s methods; the BucketedBackward decides *when*, and
+owns the state of the backward in progress. Launching in bucket order on every rank keeps the
+collectives lined up even when gradients become ready in another order on each rank.
 """
 
 from __future__ import annotations

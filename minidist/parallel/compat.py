@@ -6,26 +6,16 @@ mp_policy, reshard_after_forward, ...) each have a meaning here or are refused n
 a bare TypeError and never ignored where ignoring them would change the result (the list:
 docs/drop_in.md, "Native arguments").
 
-`eager`: keep communication out of torch.compile's graphs.
+`eager`: the wrappers' hooks wait for collectives, resize storages and register autograd hooks.
+Traced by dynamo, such a hook is folded into the graph or dropped, and a dropped `Work.wait()`
+lets a compiled forward read a parameter before its all_gather has landed. So every function that
+talks to the communication layer from inside a forward is `eager`: dynamo breaks the graph there
+and runs it as plain Python; the layers between the breaks are still compiled.
 
-The wrappers' hooks wait for collectives, resize storages and register autograd
-hooks. Traced by dynamo, such a hook is either folded into the graph or dropped,
-and a dropped `Work.wait()` means a compiled forward reads a parameter before its
-all_gather has landed: a different number, silently. Every function that talks to
-the communication layer from inside a forward is therefore marked `eager`: dynamo
-breaks the graph at the call and runs it as plain Python, so `torch.compile(net)`
-before wrapping and `torch.compile(model)` of the wrapper both compute what the
-uncompiled model computes; the layers between the breaks are still compiled.
-
-Buffers (BatchNorm statistics) across ranks: native DDP's rule, shared by every strategy.
-
-Gradients keep parameters identical; buffers are updated by forward itself, from each
-rank's own batch, so they drift apart. DDP's answer, and ours: before a forward,
-broadcast the source rank's buffers — but only when the previous forward was a
-synchronising one (it recorded gradients outside no_sync), and before the very first.
-So under no_sync accumulation the broadcast happens once per optimizer step, not once
-per micro-batch, and a forward after an evaluation (no_grad) forward does not
-broadcast. This is `require_forward_param_sync` in torch/nn/parallel/distributed.py.
+Buffers (BatchNorm statistics): forward updates them from each rank's own batch, so they drift.
+Native DDP's rule, ours too: broadcast the source rank's buffers before a forward whose previous
+forward synchronised (recorded gradients outside no_sync), and before the first: once per
+optimizer step under accumulation (`require_forward_param_sync` in torch's distributed.py).
 """
 
 from __future__ import annotations

@@ -5,26 +5,14 @@
     loss.backward()                      # returns with every .grad averaged over ranks
     opt.step()
 
-The algorithm, in the order it happens:
-1. Construction: every rank must hold the same parameters (checked), then rank 0's
-   parameters and buffers are broadcast in a few flat messages.
-2. Gradients are assigned to buckets in reverse registration order (backward
-   produces the last layer's gradients first). The first bucket is small so
-   communication starts early; the last one too, since nothing overlaps it.
-3. A post-accumulate-grad hook per parameter copies its gradient into its bucket
-   slice, divided by the world size. When a bucket's last gradient arrives, the
-   bucket is all_reduced asynchronously — while backward keeps computing the
-   earlier layers. Buckets launch strictly in index order, so the collectives
-   line up across ranks even if gradients become ready in different orders.
-4. The first hook of a backward queues a callback that the autograd engine runs
-   when backward finishes: it waits for every bucket and writes the averaged
-   gradients back to `.grad`. The user calls nothing extra.
-5. After the first iteration the buckets are rebuilt in the order gradients
-   actually became ready (rank 0's order, broadcast so every rank agrees).
-
-On CUDA, ProcessGroupNCCL orders each collective after the work already queued on
-the current stream, and `wait()` makes the current stream wait for the collective,
-so no kernel reads a bucket before its reduction is done.
+Gradients are packed in reverse registration order into buckets (the first and last small:
+communication starts early, little is left after backward); a post-accumulate-grad hook per
+parameter marks it ready, a complete bucket is filled with grad / N and all_reduced
+asynchronously, strictly in bucket order (so collectives line up across ranks), while backward
+goes on (buckets.py); a callback on the autograd engine waits for them and writes the averages
+to `.grad`. After the first iteration the buckets follow the order gradients arrived in (rank 0's,
+broadcast). On CUDA, ProcessGroupNCCL orders each collective after the work queued on the current
+stream and `wait()` makes the stream wait for it, so no kernel reads a bucket before its reduction.
 """
 
 from __future__ import annotations

@@ -21,39 +21,21 @@ reduction first starts those at the queue's head already done, so the all_reduce
 rest of backward. On CUDA the host cannot see a reduce_scatter finish without waiting for the
 GPU, so each all_reduce is issued at once from a side stream that waits for its reduce_scatter.
 
-The `.grad` placeholder. After a synchronised backward the averaged gradient exists only
-sharded: rank r holds slice r in its master shards (`model.optimizer`'s parameters). A `.grad`
-of `None` makes torch.nn.utils.clip_grad_norm_ clip nothing; the local, unreduced gradient
-clips by a norm no rank agrees on: both silently differ from native DDP. So every trainable
-parameter's `.grad` becomes a `ShardedGradient` (right shape, dtype and device, no storage)
-that answers what clipping and gradient-norm logs ask, as DTensor does for fully_shard:
+The `.grad` placeholder (why: docs/drop_in.md, ".grad under ZeRO"). After a synchronised backward
+every trainable parameter's `.grad` is a `ShardedGradient`: the right shape, dtype and device, no
+storage. `torch.linalg.vector_norm(p.grad)` is the whole averaged gradient's norm (the first call
+after a backward computes every parameter's with one all_reduce over the shard group: a collective,
+made alike on every rank, as clipping does); `mul_` and `clamp_` act on this rank's slice; any
+other use raises, naming the supported way. A hook on each parameter clears the placeholder just
+before autograd accumulates a new gradient; `zero_grad()` / `p.grad = None` clear it as any.
 
-- `torch.linalg.vector_norm(p.grad, ord)` / `p.grad.norm()`: the whole averaged gradient's norm.
-  The first call after a backward computes every parameter's norm with one all_reduce over the
-  shard group; later calls read them. A collective: every rank makes the same calls, as clipping does.
-- `p.grad.mul_(c)` (clipping) and `p.grad.clamp_(lo, hi)` (clip_grad_value_): on this rank's slice.
-
-Every other use raises an error naming the supported way. `p.grad is not None` stays true, so
-code that checks before reading reaches the answer or the error instead of skipping. A hook on
-each parameter clears the placeholder just before autograd accumulates a new gradient (a second
-backward, no_sync), and `zero_grad()` / `p.grad = None` clear it as any gradient.
-
-torch.amp.GradScaler on a ShardedDataParallel optimizer: every rank skips or steps together.
-The scaler decides from the gradients the optimizer holds, this rank's shard: an overflow in
-one layer lands in one rank's shard, so that rank alone would skip and lower its scale (stages
-1-2: the others wait for its all_gather until the timeout; stage 3: the replicas drift apart).
-
-The agreement happens where the scaler looks. `scaler.unscale_(optimizer)` (also run inside
-`scaler.step`) calls `torch._amp_foreach_non_finite_check_and_unscale_` on the optimizer's
-gradients, once per device and dtype, all writing one found-inf flag per device. One extra
-parameter in the optimizer's last group, with no elements, has as its gradient a tensor
-subclass whose dispatch receives that call: the flag then holds every other gradient's check,
-and it is all_reduced (MAX) over the data-parallel ranks — what DTensor does for fully_shard's
-gradients. Its dtype is one no shard uses, so its group is the device's last. `step()` then
-reads the same flag on every rank, and `update()` changes one scale everywhere.
-
-The parameter steps nothing: a step pre-hook clears its gradient before the optimizer looks at
-it, and the wrapper places it again after each synchronised backward.
+GradScaler's agreement (why: docs/drop_in.md, "GradScaler"): `scaler.unscale_(optimizer)` calls
+`torch._amp_foreach_non_finite_check_and_unscale_` on the optimizer's gradients once per device and
+dtype, all writing one found-inf flag. One extra, empty parameter in the optimizer's last group
+(of a dtype no shard uses, so its call comes last) has a tensor subclass as its gradient, whose
+dispatch receives that call and all_reduces (MAX) the flag over the data-parallel ranks, as DTensor
+does for fully_shard. A step pre-hook clears its gradient before the optimizer looks at it; the
+wrapper places it again after each synchronised backward.
 """
 
 from __future__ import annotations
