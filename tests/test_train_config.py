@@ -24,6 +24,9 @@ CASES = [
     # ZeRO steps flat slices across parameters: only element-wise optimizers are exact there
     (["optim._target_=torch.optim.Adafactor", "strategy=zero2", "~optim.weight_decay"], 2,
      r"optim._target_=torch.optim.Adafactor with strategy=zero2: ShardedDataParallel cannot shard Adafactor"),
+    # Muon takes weight matrices only: the trainer's one optimizer over every parameter cannot be it
+    (["optim._target_=torch.optim.Muon", "strategy=zero2"], 2,
+     r"optim._target_=torch.optim.Muon: the trainer builds one optimizer over every parameter.*\[muon, adamw\]"),
     (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' was not imported: only minidist's "
                                             r"classes are"),
     (["data._target_=subprocess.Popen", "data.module=subprocess"], 2, r"data._target_='subprocess.Popen' is not a "

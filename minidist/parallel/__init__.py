@@ -12,6 +12,7 @@ _HOME = {
     "allreduce_hook": "minidist.parallel.comm_hooks", "fp16_compress_hook": "minidist.parallel.comm_hooks",
     "bf16_compress_hook": "minidist.parallel.comm_hooks", "HierarchicalAllReduce": "minidist.parallel.comm_hooks",
     "register_elementwise_optimizer": "minidist.parallel.shard_optimizer",
+    "register_whole_parameter_optimizer": "minidist.parallel.shard_optimizer",
 }
 __all__ = list(_HOME)
 

@@ -1,5 +1,5 @@
 """ZeRO's flat shards, in one place: the sharded checkpoint format, the padded flat groups with their master
-shards and their one parameter gather, and hpZ's secondary shard.
+shards and their one parameter gather.
 
 The `minidist.sharded.v1` format: what ShardedDataParallel.sharded_state_dict() writes, read in
 one place. Its loader, the optimizer's re-cut and offline consolidation all read through here.
@@ -28,11 +28,11 @@ applies. The owned slice of the fp32 values ("master" shard) is what the
 optimizer steps on: any element-wise optimizer (SGD, Adam, AdamW) works on a
 flat slice exactly as on the separate tensors.
 
-The user's optimizer may give its parameter groups different options (no weight
-decay for biases and norms). So the parameters are laid out group by group, and
-the master shard is cut where the groups meet: one "piece" per optimizer group,
-each an nn.Parameter viewing its part of the master (empty where this rank's slice
-holds none of that group). The pieces are what the optimizer's groups hold:
+The optimizer's groups may have different options (no weight decay for biases and norms), so
+the parameters are laid out group by group and the master shard is cut where the groups meet: one
+"piece" per group, an nn.Parameter viewing its part of the master (maybe empty), what the group
+holds. A group of a whole-parameter optimizer (Muon) is laid out whole instead: each parameter
+within one rank's slice (flat_layout), one piece per parameter, shaped as it.
 
     flat:    [ group 0: p0 | p2 | group 1: p1 | p3 | pad ]
     rank r:              [ piece 0 | piece 1 ]   (views into master)
@@ -40,23 +40,6 @@ holds none of that group). The pieces are what the optimizer's groups hold:
 Both ZeRO-1/2 buckets and ZeRO-3 units are FlatShards; what differs is whether
 the full flat buffer lives all the time (stages 1-2) or only around the unit's
 forward and backward (stage 3).
-
-hpZ (ZeRO++'s hierarchical partitioning): a second, host-local copy of each unit's parameters,
-so stage 3's backward gathers never cross hosts.
-
-Stage 3 gathers every unit twice a step over the whole shard group: before its forward and
-again before its backward. With `secondary_shard=G` (FSDP2: `reshard_after_forward=G`), when a
-unit is freed after its forward each rank first keeps 1/G of the gathered parameters — its
-part within its block of G consecutive ranks (one host under torchrun and SLURM, whose ranks
-are numbered host by host) — and the backward gathers them back from that block only:
-
-    forward:   all_gather over the shard group (N ranks)  -> keep full[j*c:(j+1)*c], c = padded / G
-    backward:  all_gather over the G ranks of the block   -> the same values, bitwise
-
-Only the forward gather crosses hosts. The price is memory: each rank holds 1/G instead of 1/N
-of every unit's parameters between its forward and its backward. The copy is what the forward
-gathered (after a param_wire, the wire's values), so forward and backward compute with the
-same weights; it is dropped after backward, at the next forward and after an optimizer step.
 """
 
 from __future__ import annotations
@@ -64,11 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from minidist import comm
-from minidist.dist import ranks_per_host
 
 
 FORMAT = "minidist.sharded.v1"
@@ -117,9 +98,29 @@ class ParamSlot:
     numel: int
 
 
-def padded_numel(numel: int, world_size: int) -> int:
-    """A flat group's length: its parameters back to back, padded to a multiple of world_size."""
-    return -(-numel // world_size) * world_size
+def flat_layout(numels: list[int], world_size: int, whole: bool = False,
+                load: tuple[int, ...] | None = None) -> tuple[list[int], int, tuple[int, ...] | None]:
+    """(each parameter's offset in the flat buffer, its padded length, the owners' load after it).
+
+    Cut: back to back, in order, padded at the end; a rank's slice may cut a parameter anywhere.
+    Whole: each parameter lies within one rank's slice, for optimizers that update a matrix as a
+    whole (Muon): the largest first to the rank that owns the fewest elements of this group (the
+    least padding), between equals the fewest over the groups before it too (`load`), so every
+    rank owns ~1/N of the model within its largest parameter; each rank's in their given order, its
+    slice padded to the fullest rank's here."""
+    if not whole:
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        return offsets, -(-sum(numels) // world_size) * world_size, load
+    total, here, owner = list(load or [0] * world_size), [0] * world_size, [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
+        owner[i] = min(range(world_size), key=lambda r: (here[r], total[r], r))
+        total[owner[i]] += numels[i]
+        here[owner[i]] += numels[i]
+    size = max(1, max(here))
+    offsets, at = [0] * len(numels), [r * size for r in range(world_size)]
+    for i, r in enumerate(owner):
+        offsets[i], at[r] = at[r], at[r] + numels[i]
+    return offsets, size * world_size, tuple(total)
 
 
 def order_by_group(ids: list[int], group_of: list[int]) -> list[int]:
@@ -139,7 +140,8 @@ class FlatShard:
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
                  world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
                  algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1, wire=None,
-                 values: torch.Tensor | None = None):
+                 values: torch.Tensor | None = None, whole_groups: frozenset = frozenset(),
+                 load: tuple[int, ...] | None = None):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
         self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
         self.wire = wire  # what the parameters travel as in gather_full (None: the compute dtype; comm.wire)
@@ -148,13 +150,14 @@ class FlatShard:
         self.device = first.device
         self.master_dtype = first.dtype
         self.compute_dtype = compute_dtype or first.dtype
-        self.slots: list[ParamSlot] = []
-        offset = 0
-        for name, p in zip(names, params):
-            self.slots.append(ParamSlot(name, tuple(p.shape), offset, p.numel()))
-            offset += p.numel()
-        self.numel = offset
-        self.padded = padded_numel(offset, world_size)
+        self.groups = list(groups) if groups is not None else [0] * len(params)  # of each slot
+        # Whole layout where a group's optimizer updates each parameter as a whole (whole_groups):
+        # then every parameter here lies within one rank's slice (flat_layout); `load`: what each
+        # rank owns in the groups before this one, `load_after` with this one.
+        self.whole = any(g in whole_groups for g in self.groups)
+        offsets, self.padded, self.load_after = flat_layout([p.numel() for p in params], world_size, self.whole, load)
+        self.slots = [ParamSlot(name, tuple(p.shape), at, p.numel()) for name, p, at in zip(names, params, offsets)]
+        self.numel = sum(p.numel() for p in params)
         self.shard_size = self.padded // world_size
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
@@ -171,27 +174,53 @@ class FlatShard:
                 self.master = self.full[self.lo:self.hi]
             else:
                 self.master = values[self.lo:self.hi].clone()
-            self.groups = list(groups) if groups is not None else [0] * len(params)  # of each slot
-            self.piece_bounds = self._cut_into_groups(self.groups, n_groups)
-            self.pieces = [nn.Parameter(self.master[a:b], requires_grad=True) for a, b in self.piece_bounds]
+            self._cut_into_pieces(n_groups, whole_groups)
             for slot, p in zip(self.slots, params):
                 p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.keep_full = keep_full
         if not keep_full:
             self.free_full()
 
-    def _cut_into_groups(self, groups: list[int], n_groups: int) -> list[tuple[int, int]]:
-        """(start, end) within the master shard of each optimizer group's piece; together they
-        tile the shard (the padding goes with the last group)."""
-        if any(b < a for a, b in zip(groups, groups[1:])):
+    def _cut_into_pieces(self, n_groups: int, whole_groups: frozenset) -> None:
+        """The pieces the optimizer steps: per group one flat view of the master shard (maybe empty;
+        cut layout: together they tile it; whole layout: the padding in none), or for a group in
+        `whole_groups` one per parameter this rank owns, shaped as it. piece_bounds[j], piece_group[j]: piece j's (start, end) in the master shard,
+        its group; slot_piece[k]: the piece holding this rank's part of parameter k (None: none)."""
+        if any(b < a for a, b in zip(self.groups, self.groups[1:])):
             raise ValueError("FlatShard: parameters must be ordered by optimizer group (order_by_group)")
-        starts = []  # where each group begins in the flat buffer
-        for g in range(n_groups):
-            first = next((slot.offset for slot, gi in zip(self.slots, groups) if gi >= g), self.numel)
-            starts.append(first)
-        ends = starts[1:] + [self.padded]
         clamp = lambda x: min(max(x - self.lo, 0), self.shard_size)  # noqa: E731
-        return [(clamp(a), clamp(b)) for a, b in zip(starts, ends)]
+        mine = [k for k in range(len(self.slots)) if self.owned_range(k, self.rank)[1]]
+        if self.whole:  # each group's parameters here (ordered by group), no padding: it would get state
+            own = [[self.slots[k] for k in mine if self.groups[k] == g] for g in range(n_groups)]
+            starts = [min([s.offset for s in slots], default=self.lo) for slots in own]
+            ends = [max([s.offset + s.numel for s in slots], default=self.lo) for slots in own]
+        else:
+            starts = [min([s.offset for s, gi in zip(self.slots, self.groups) if gi >= g], default=self.numel)
+                      for g in range(n_groups)]
+            ends = starts[1:] + [self.padded]
+        bounds, shapes, self.piece_group, self.slot_piece = [], [], [], [None] * len(self.slots)
+        for g, (a, b) in enumerate(zip(starts, ends)):
+            for k in ([k for k in mine if self.groups[k] == g] if g in whole_groups else [None]):
+                if k is not None:
+                    a, b = self.slots[k].offset, self.slots[k].offset + self.slots[k].numel
+                bounds.append((clamp(a), clamp(b)))
+                shapes.append(self.slots[k].shape if k is not None else (clamp(b) - clamp(a),))
+                self.piece_group.append(g)
+        for k in mine:  # (a parameter lies in its group's one piece, or is a whole piece)
+            at = max(self.slots[k].offset, self.lo) - self.lo
+            self.slot_piece[k] = next(j for j, (a, b) in enumerate(bounds)
+                                      if a <= at < b and self.piece_group[j] == self.groups[k])
+        self.piece_bounds = bounds
+        self.pieces = [nn.Parameter(self.master[a:b].view(shape), requires_grad=True)
+                       for (a, b), shape in zip(bounds, shapes)]
+
+    def zero_padding(self, flat: torch.Tensor) -> None:
+        """Zero what no parameter covers in a flat buffer of this layout (its gaps and tail)."""
+        end = 0
+        for slot in sorted(self.slots, key=lambda s: s.offset):
+            flat[end:slot.offset].zero_()
+            end = slot.offset + slot.numel
+        flat[end:].zero_()
 
     # ----------------------------------------------------------------- gradients (of the pieces)
 
@@ -203,20 +232,19 @@ class FlatShard:
         """Accumulate a shard-sized gradient into the pieces (which view it when they had none)."""
         for p, (a, b) in zip(self.pieces, self.piece_bounds):
             if p.grad is None:
-                p.grad = flat[a:b]
+                p.grad = flat[a:b].view(p.shape)
             else:
-                p.grad.add_(flat[a:b])
+                p.grad.add_(flat[a:b].view(p.shape))
 
     def owned_grad(self, k: int) -> torch.Tensor | None:
-        """This rank's part of slot k's gradient (a view into its group's piece), or None where
+        """This rank's part of slot k's gradient (a 1-D view into its piece's), or None where
         this rank owns none of the parameter or the piece has no gradient."""
-        g = self.groups[k]
+        j = self.slot_piece[k]
         a, b = self.owned_range(k, self.rank)
-        grad = self.pieces[g].grad
-        if a == b or grad is None:
+        if j is None or self.pieces[j].grad is None:
             return None
-        start = self.slots[k].offset + a - self.lo - self.piece_bounds[g][0]
-        return grad[start:start + b - a]
+        start = self.slots[k].offset + a - self.lo - self.piece_bounds[j][0]
+        return self.pieces[j].grad.view(-1)[start:start + b - a]
 
     def take_grad(self) -> torch.Tensor | None:
         """The pieces' gradient as one shard-sized copy (None if they have none); clears them."""
@@ -225,7 +253,7 @@ class FlatShard:
         out = torch.zeros_like(self.master)
         for p, (a, b) in zip(self.pieces, self.piece_bounds):
             if p.grad is not None:
-                out[a:b].copy_(p.grad)
+                out[a:b].copy_(p.grad.reshape(-1))
             p.grad = None
         return out
 
@@ -289,13 +317,15 @@ class FlatShard:
                 pieces[slot.name] = (a, flat_values[at + a:at + b].detach().clone().cpu())
         return pieces
 
-    def fill_from_pieces(self, target: torch.Tensor, pieces: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
-        """Write this rank's slice of `target` (shard-sized) from per-parameter pieces of any layout."""
+    def fill_from_pieces(self, target: torch.Tensor, pieces: dict[str, list[tuple[int, torch.Tensor]]],
+                         only: set[str] | None = None) -> None:
+        """Write this rank's slice of `target` (shard-sized) from per-parameter pieces of any layout
+        (of the parameters named in `only`, when given: one optimizer's, where there are several)."""
         with torch.no_grad():
             target.zero_()
             for k, slot in enumerate(self.slots):
                 want_lo, want_hi = self.owned_range(k, self.rank)  # range within the parameter
-                if want_lo >= want_hi:
+                if want_lo >= want_hi or (only is not None and slot.name not in only):
                     continue
                 if slot.name not in pieces:
                     raise KeyError(f"checkpoint has no values for parameter {slot.name!r}")
@@ -320,57 +350,3 @@ class FlatShard:
         out = torch.empty(self.padded, dtype=shard_values.dtype, device=self.device)
         comm.all_gather_into(out, shard_values.detach(), group=self.group, algorithm=self.algorithm)
         return out
-
-
-class SecondaryShards:
-    """The blocks of G ranks the backward gathers within, and each unit's kept part."""
-
-    def __init__(self, size: int, process_group, algorithm: str):
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None \
-            else list(range(dist.get_world_size()))
-        n, me = len(ranks), dist.get_rank(process_group)
-        self.size, self.index, self.algorithm = size, me % size, algorithm
-        blocks = [ranks[b:b + size] for b in range(0, n, size)]
-        groups = [dist.new_group(block) for block in blocks]  # every rank creates every group, in order
-        self.group = groups[me // size]
-        self._kept: dict[int, torch.Tensor] = {}  # FlatShard.index -> its part of the full parameters
-
-    def keep(self, shard: FlatShard) -> None:
-        """Before `shard` is freed after its forward: keep this rank's 1/G of its full parameters."""
-        c = shard.padded // self.size
-        self._kept[shard.index] = shard.full[self.index * c:(self.index + 1) * c].clone()
-
-    def has(self, shard: FlatShard) -> bool:
-        return shard.index in self._kept
-
-    def gather(self, shard: FlatShard, async_op: bool = False):
-        """Gather `shard`'s full parameters from the kept parts, within the block only."""
-        part = self._kept.pop(shard.index)
-        shard.materialise()
-        with torch.no_grad():
-            return comm.all_gather_into(shard.full, part, group=self.group, async_op=async_op,
-                                        algorithm=self.algorithm)
-
-    def drop(self) -> None:
-        self._kept.clear()
-
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._kept.values())
-
-
-def secondary_size(value, world_size: int, mesh) -> int | None:
-    """secondary_shard as given (None, an int G, or "host") -> G, or None where it changes nothing."""
-    if value is None or value is True or value is False:
-        return None
-    if mesh is not None:
-        raise ValueError("ShardedDataParallel: secondary_shard with a mesh: hybrid sharding already gathers within "
-                         "each shard group (a host); use it on a flat world (strategy=zero3)")
-    if value == "host":
-        value = ranks_per_host()
-        if value is None:
-            raise ValueError("ShardedDataParallel(secondary_shard='host'): the launcher does not say how many ranks "
-                             "each host runs (LOCAL_WORLD_SIZE / SLURM): give the number instead")
-    if not isinstance(value, int) or value < 1 or world_size % value:
-        raise ValueError(f"ShardedDataParallel(secondary_shard={value!r}): give a number of ranks that divides the "
-                         f"shard group's {world_size} (the ranks of one host), 'host', or None")
-    return value if value < world_size else None  # G = N: the backward gathers over N anyway

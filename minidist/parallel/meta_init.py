@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from minidist import comm
-from minidist.parallel.flat_shard import padded_numel
+from minidist.parallel.flat_shard import flat_layout
 
 
 def is_meta_built(module: nn.Module) -> bool:
@@ -117,17 +117,16 @@ class MetaInit:
         with _OwnTensorsOnly(m):
             self.init(m)
 
-    def fill(self, params: list[nn.Parameter], world_size: int) -> torch.Tensor:
-        """One unit's flat buffer (FlatShard's layout: `params` in order, padded to a multiple of
-        world_size) holding the parameters' initial values; the parameters view it."""
-        values = torch.zeros(padded_numel(sum(p.numel() for p in params), world_size), dtype=params[0].dtype,
-                             device=self.device)
-        offset, ids = 0, {id(p) for p in params}
-        for p in params:  # (through .data: a view's version counter would be the buffer's, which gathers bump)
+    def fill(self, params: list[nn.Parameter], world_size: int, whole: bool = False, load=None) -> torch.Tensor:
+        """One unit's flat buffer (FlatShard's layout: flat_shard.flat_layout) holding the parameters'
+        initial values; the parameters view it."""
+        offsets, padded, _ = flat_layout([p.numel() for p in params], world_size, whole, load)
+        values = torch.zeros(padded, dtype=params[0].dtype, device=self.device)
+        ids = {id(p) for p in params}
+        for p, offset in zip(params, offsets):  # (through .data: a view's version counter would be the buffer's)
             shape, numel = p.shape, p.numel()
             _give(p, torch.empty(0, dtype=p.dtype, device=self.device))
             p.data = values[offset:offset + numel].view(shape)
-            offset += numel
         with torch.no_grad():
             for m, own, state in self.owners:
                 if own & ids:

@@ -1,25 +1,18 @@
-"""ZeRO's state as torch's APIs see it: the optimizer over the shards and its state dicts, and the
+"""ZeRO's state as torch's APIs see it: the optimizers over the shards and their state dicts, and the
 module's state_dict / load_state_dict. What users may call, and why the rest is refused:
 docs/drop_in.md ("The rank-0 optimizer snapshot", "state_dict() at stage 3") and docs/api.md.
 
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
-    model = ShardedDataParallel(net, opt, stage=2)    # opt now steps this rank's shards
-
-Adopting a built optimizer: its groups say which options each parameter gets, so the flat shards
-are laid out group by group and each rank's master shard is cut into one piece per group
-(flat_shard.py); the groups are rebound in place to their pieces, so the object the script holds
-and any scheduler on it step the shards. State it already held (a checkpoint loaded before
-wrapping) is re-cut into the shards. A factory is the one-group case. Only element-wise
-optimizers are exact on flat slices (each element's update depends on its own gradient and
-state alone); others are refused until declared (`register_elementwise_optimizer`).
-
-A per-piece optimizer state carries its place (rank, ranks, stage, layout) under TAG and loads
-only there; `full_state_dict()` numbers the state as an unsharded optimizer over the user's
-groups would, and loading such a state (ours, a native optimizer's, DCP's keyed by name) has
-each rank take its slice. Module hooks (ModuleStateHooks) make `state_dict()` wait for the
-pending gathers (stages 1-2) and refuse where the parameters are not the values to save (stage
-3, a param_wire), and make `load_state_dict()` write the master shards too.
+A built optimizer (or several: Muon and AdamW) is adopted: its groups say which options each
+parameter gets, so the flat shards are laid out group by group and each rank's master shard is cut
+into pieces (flat_shard.py): one flat piece per group for element-wise optimizers, one whole
+parameter per piece for whole-parameter ones (Muon); the groups are rebound in place to their
+pieces, so the objects the script holds, and any scheduler on them, step the shards. State already
+held is re-cut into the shards; a factory is the one-group case. A per-piece state dict carries its
+place (rank, ranks, stage, layout) under TAG and loads only there; `full_state_dict()` numbers the
+state as an unsharded optimizer over the user's groups would, and loading such a state (ours, a
+native optimizer's, DCP's keyed by name) has each rank take its slice. ModuleStateHooks make
+`state_dict()` wait for pending gathers (stages 1-2) and refuse where the parameters are not the
+values to save (stage 3, a param_wire), and `load_state_dict()` write the master shards too.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from minidist import comm
 from minidist.parallel.flat_shard import merged_pieces
 
 
@@ -38,10 +32,13 @@ ELEMENTWISE_OPTIMIZERS: set[type] = {
     torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.Adagrad, torch.optim.Adadelta,
     torch.optim.ASGD,
 }
-# What makes each of these inexact on a flat slice of several parameters.
+# Optimizers that update each parameter as a whole (Muon orthogonalises each weight matrix's update),
+# with per-parameter state of the parameter's shape: each parameter is owned whole by one rank
+# (flat_shard.flat_layout), which steps it as an unsharded optimizer would.
+WHOLE_PARAMETER_OPTIMIZERS: set[type] = {torch.optim.Muon} if hasattr(torch.optim, "Muon") else set()
+# What makes each of these inexact on a flat slice of several parameters, and not whole-parameter either.
 NOT_ELEMENTWISE = {
-    "Adafactor": "factors the second moment of each matrix into row and column statistics",
-    "Muon": "orthogonalises each weight matrix's update as a whole",
+    "Adafactor": "factors the second moment of each matrix into row and column statistics (state of another shape)",
     "LBFGS": "takes one line-search step over all parameters at once, with a closure",
     "SparseAdam": "needs sparse gradients",
 }
@@ -57,16 +54,35 @@ SHARD_STATE_DICT = (
 
 def register_elementwise_optimizer(cls: type) -> type:
     """Declare `cls` (a torch.optim.Optimizer subclass) element-wise: every element's update
-    depends only on that element's gradient, its own state and per-step scalars. Usable as a
-    class decorator."""
+    depends only on that element's gradient, its own state and per-step scalars. A decorator too."""
+    return _register(cls, ELEMENTWISE_OPTIMIZERS)
+
+
+def register_whole_parameter_optimizer(cls: type) -> type:
+    """Declare `cls` whole-parameter, as Muon: each parameter's update depends on the whole parameter
+    (its gradient, its state: tensors of its shape) and per-step scalars; each such parameter then
+    gets one owner. A decorator too."""
+    return _register(cls, WHOLE_PARAMETER_OPTIMIZERS)
+
+
+def _register(cls: type, kinds: set) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise TypeError(f"register_elementwise_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}")
-    ELEMENTWISE_OPTIMIZERS.add(cls)
+        raise TypeError(f"register_*_optimizer takes a torch.optim.Optimizer subclass, got {cls!r}")
+    kinds.add(cls)
     return cls
+
+
+def is_whole_parameter(cls: type) -> bool:
+    return any(issubclass(cls, known) for known in WHOLE_PARAMETER_OPTIMIZERS)
 
 
 def check_elementwise(cls: type) -> None:
     """Raise unless `cls` steps a flat slice of many parameters exactly as it steps them one by one."""
+    if is_whole_parameter(cls):
+        raise TypeError(
+            f"ShardedDataParallel: {cls.__name__} updates each parameter as a whole, so each rank must own whole "
+            "parameters: pass the optimizer built over them (ShardedDataParallel(net, [muon, adamw], stage=k)), "
+            "not a factory called with this rank's flat slice.")
     if cls.__name__ in NOT_ELEMENTWISE:
         raise TypeError(
             f"ShardedDataParallel cannot shard {cls.__name__}: it {NOT_ELEMENTWISE[cls.__name__]}, and each rank "
@@ -77,23 +93,47 @@ def check_elementwise(cls: type) -> None:
             f"ShardedDataParallel: {cls.__module__}.{cls.__qualname__} is not known to be element-wise. Each rank "
             "steps a flat slice cut across parameters, which is exact only when every element's update depends "
             "on its own gradient and state alone (SGD, Adam, AdamW, ...). If yours is, declare it: "
-            f"minidist.parallel.register_elementwise_optimizer({cls.__name__}); otherwise use minidist.DataParallel.")
+            f"minidist.parallel.register_elementwise_optimizer({cls.__name__}) (or, if it updates each parameter as "
+            "a whole with state of the parameter's shape, register_whole_parameter_optimizer); otherwise use "
+            "minidist.DataParallel.")
 
 
 def parameter_groups(optimizer, module: nn.Module, trainable: list[nn.Parameter], names: list[str]):
-    """(the optimizer group of each trainable parameter, the groups' parameters as given).
+    """(the optimizer group of each trainable parameter, the groups' parameters as given, the
+    optimizers with the first of their groups, the groups whose optimizer is whole-parameter).
 
-    A factory has one group: every parameter of the module. A built optimizer must hold every
-    trainable parameter of the module and nothing else."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    A factory has one group: every parameter of the module. Built optimizers (one, or a list:
+    Muon over the hidden matrices, AdamW over the rest) must together hold every trainable
+    parameter of the module, each once, and nothing else; their groups are numbered in order."""
+    if not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
         if not callable(optimizer):
             raise TypeError(f"ShardedDataParallel: optimizer must be a torch.optim.Optimizer built over the "
-                            f"module's parameters, or a factory such as functools.partial(torch.optim.AdamW, "
-                            f"lr=3e-4); got {type(optimizer).__name__}")
-        return [0] * len(trainable), [list(module.parameters())]
-    check_elementwise(type(optimizer))
-    given = [list(g["params"]) for g in optimizer.param_groups]
-    group_of_id = {id(p): g for g, params in enumerate(given) for p in params}
+                            f"module's parameters (or a list of them), or a factory such as "
+                            f"functools.partial(torch.optim.AdamW, lr=3e-4); got {type(optimizer).__name__}")
+        cls = getattr(optimizer, "func", optimizer)  # a class, or functools.partial of one
+        if isinstance(cls, type) and is_whole_parameter(cls):
+            check_elementwise(cls)  # refused, naming the way
+        return [0] * len(trainable), [list(module.parameters())], [(optimizer, 0)], frozenset()
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError("ShardedDataParallel: a list of optimizers must hold torch.optim.Optimizer objects built "
+                        "over the module's parameters, at least one")
+    for o in optimizers:
+        if not is_whole_parameter(type(o)):
+            check_elementwise(type(o))
+    given, spans, whole = [], [], set()
+    for o in optimizers:
+        spans.append((o, len(given)))
+        if is_whole_parameter(type(o)):
+            whole.update(range(len(given), len(given) + len(o.param_groups)))
+        given += [list(g["params"]) for g in o.param_groups]
+    group_of_id = {}
+    for g, params in enumerate(given):
+        for p in params:
+            if id(p) in group_of_id:
+                raise ValueError("ShardedDataParallel: a parameter is in two optimizer groups (or optimizers); "
+                                 "give each parameter to exactly one")
+            group_of_id[id(p)] = g
     in_module = {id(p) for p in module.parameters()}
     foreign = [p for params in given for p in params if id(p) not in in_module]
     if foreign:
@@ -107,7 +147,7 @@ def parameter_groups(optimizer, module: nn.Module, trainable: list[nn.Parameter]
             f"ShardedDataParallel: the optimizer does not hold these trainable parameters: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''}. Native DDP would leave them unchanged; a shard steps all its "
             "elements, so add them to a param group, or set requires_grad=False on them before wrapping.")
-    return [group_of_id[id(p)] for p in trainable], given
+    return [group_of_id[id(p)] for p in trainable], given, spans, frozenset(whole)
 
 
 class ShardOptimizer:
@@ -118,12 +158,14 @@ class ShardOptimizer:
     the full state; `param_names`: their names, which number DCP's full state instead."""
 
     def __init__(self, optimizer, shards: list, full_groups: list[list[nn.Parameter]], param_names: dict[int, str],
-                 place: dict, extra_param: nn.Parameter | None = None):
+                 place: dict, extra_param: nn.Parameter | None = None, first_group: int = 0):
         self.shards = shards
         self.param_names = param_names  # id(parameter) -> its name in the plain module (DCP's keys)
-        self.full_groups = full_groups
+        self.full_groups = full_groups  # this optimizer's groups: the shards number them from first_group on
+        self.g0 = first_group
         self.place = {**place, "layout": _layout_fingerprint(shards)}
-        pieces_of_group = [[s.pieces[g] for s in shards] for g in range(len(full_groups))]
+        pieces_of_group = [[piece for s in shards for piece, pg in zip(s.pieces, s.piece_group) if pg == g + self.g0]
+                           for g in range(len(full_groups))]
         if isinstance(optimizer, torch.optim.Optimizer):
             held = optimizer.state_dict() if any(optimizer.state.values()) else None
             self.group_names = [g.get("param_names") for g in optimizer.param_groups]
@@ -147,6 +189,8 @@ class ShardOptimizer:
                 last["param_names"].append("<found-inf agreement>")
         self.optimizer.register_state_dict_pre_hook(self._refuse_shard_state_dict)
         self.optimizer.register_load_state_dict_pre_hook(self._check_or_recut)
+        # Where each piece stands in the optimizer's numbering of its parameters (group by group).
+        self.index_of = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         if held is not None:  # a full state, re-cut (see _check_or_recut)
             try:
                 self.optimizer.load_state_dict(held)
@@ -186,26 +230,47 @@ class ShardOptimizer:
         optim: dict[str, dict[str, list]] = {}
         scalars: dict[int, list[dict]] = {}
         for k, shard in enumerate(self.shards):
-            states = [self.optimizer.state.get(piece, {}) for piece in shard.pieces]
-            for key in _per_element_keys(states, shard.pieces):
-                for name, piece in shard.owned_pieces(_flat_state(shard, states, key)).items():
-                    optim.setdefault(key, {}).setdefault(name, []).append(piece)
-            scalars[k] = [{key: v.clone() if torch.is_tensor(v) else v for key, v in st.items()
-                           if not _elementwise(v, piece)} for st, piece in zip(states, shard.pieces)]
+            pieces = self._pieces(shard)
+            states = [self.optimizer.state.get(piece, {}) for piece in pieces]
+            ours = {slot.name for slot, g in zip(shard.slots, shard.groups) if self._ours(g)}
+            for key in _per_element_keys(states, pieces):
+                for name, piece in shard.owned_pieces(_flat_state(shard, pieces, states, key)).items():
+                    if name in ours:
+                        optim.setdefault(key, {}).setdefault(name, []).append(piece)
+            scalars[k] = [self._scalars(shard, g) for g in range(len(self.full_groups))]
         return optim, scalars
+
+    def _ours(self, g: int) -> bool:
+        """Is the shards' group g one of this optimizer's? (A model may have several optimizers.)"""
+        return self.g0 <= g < self.g0 + len(self.full_groups)
+
+    def _pieces(self, shard) -> list[nn.Parameter]:
+        """`shard`'s pieces this optimizer steps."""
+        return [p for p, g in zip(shard.pieces, shard.piece_group) if self._ours(g)]
+
+    def _scalars(self, shard, g: int) -> dict:
+        """The per-step values (step) of group g's pieces in `shard`: the same for each of them."""
+        for piece, pg in zip(shard.pieces, shard.piece_group):
+            if pg == g + self.g0:
+                return {key: v.clone() if torch.is_tensor(v) else v
+                        for key, v in self.optimizer.state.get(piece, {}).items() if not _elementwise(v, piece)}
+        return {}
 
     def load_owned_state(self, saved: list[dict]) -> None:
         """Load the optimizer part of sharded_state_dict()s (one, or every saved rank's: re-cut)."""
         first = saved[0]
-        names = [slot.name for s in self.shards for slot in s.slots]
+        names = {slot.name for s in self.shards for slot, g in zip(s.slots, s.groups) if self._ours(g)}
         state: dict[int, dict] = {}
         for key in first["optim"]:
             pieces = merged_pieces(saved, "optim", key, names)
-            for k, shard in enumerate(self.shards):
+            if not any(pieces.values()):
+                continue  # another optimizer's state (a model with several)
+            for shard in self.shards:
                 flat = torch.zeros(shard.shard_size, dtype=torch.float32)
-                shard.fill_from_pieces(flat, pieces)
-                for g, (a, b) in enumerate(shard.piece_bounds):
-                    state.setdefault(self.piece_index(g, k), {})[key] = flat[a:b].clone()
+                shard.fill_from_pieces(flat, pieces, only=names)
+                for piece, (a, b) in zip(shard.pieces, shard.piece_bounds):
+                    if id(piece) in self.index_of:
+                        state.setdefault(self.index_of[id(piece)], {})[key] = flat[a:b].clone().view(piece.shape)
         saved_scalars = first["optim_scalars"]
         for k, shard in enumerate(self.shards):
             per_group = saved_scalars.get(k, saved_scalars.get(str(k)))
@@ -213,13 +278,10 @@ class ShardOptimizer:
                 per_group = next(iter(saved_scalars.values()), {})
             if isinstance(per_group, dict):  # written before param groups: one dict for the one group
                 per_group = [per_group]
-            for g in range(len(shard.pieces)):
-                state.setdefault(self.piece_index(g, k), {}).update(per_group[min(g, len(per_group) - 1)])
-        self.optimizer.load_state_dict(self.packed(state, first["param_groups"]))
-
-    def piece_index(self, g: int, k: int) -> int:
-        """Where piece g of shard k stands in the optimizer's numbering (group by group)."""
-        return sum(len(group["params"]) for group in self.optimizer.param_groups[:g]) + k
+            for piece, g in zip(shard.pieces, shard.piece_group):
+                if id(piece) in self.index_of:
+                    state.setdefault(self.index_of[id(piece)], {}).update(per_group[min(g, len(per_group) - 1)])
+        self.optimizer.load_state_dict(self.packed(state, first["param_groups"][self.g0:]))
 
     def packed(self, state: dict[int, dict], saved_groups: list[dict]) -> dict:
         """A state_dict of this optimizer's own layout, with the groups' options as saved."""
@@ -240,16 +302,20 @@ class ShardOptimizer:
         the shard group: every rank calls it. With rank0_only, ranks other than 0 get {}."""
         opt = self.optimizer
         values: dict[int, dict] = {}  # id(parameter) -> its full state
+        # The per-element keys, agreed: under the whole layout a rank may hold none of a shard's pieces.
+        keys = sorted(set().union(*comm.all_gather_object(sorted({key for shard in self.shards for key in _per_element_keys(
+            [opt.state.get(p, {}) for p in self._pieces(shard)], self._pieces(shard))}), group=self.shards[0].group)))
         for shard in self.shards:
-            states = [opt.state.get(piece, {}) for piece in shard.pieces]
-            for key in _per_element_keys(states, shard.pieces):
-                full = shard.gather_flat(_flat_state(shard, states, key))
-                for slot, p in zip(shard.slots, shard.params):
-                    values.setdefault(id(p), {})[key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            pieces = self._pieces(shard)
+            states = [opt.state.get(piece, {}) for piece in pieces]
+            for key in keys:
+                full = shard.gather_flat(_flat_state(shard, pieces, states, key))
+                for slot, p, g in zip(shard.slots, shard.params, shard.groups):
+                    if self._ours(g):
+                        values.setdefault(id(p), {})[key] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
             for slot, p, g in zip(shard.slots, shard.params, shard.groups):
-                for key, value in states[g].items():
-                    if not _elementwise(value, shard.pieces[g]):
-                        values.setdefault(id(p), {})[key] = value.clone() if torch.is_tensor(value) else value
+                if self._ours(g):
+                    values.setdefault(id(p), {}).update(self._scalars(shard, g - self.g0))
         if rank0_only and rank != 0:
             return {}
         state, groups, index = {}, [], 0
@@ -300,25 +366,25 @@ class ShardOptimizer:
                        for key, v in by_param.get(id(p), {}).items()
                        if torch.is_tensor(v) and tuple(v.shape) == tuple(p.shape)}
         pieces_state: dict[int, dict] = {}
-        for g, k in [(g, k) for g in range(len(self.full_groups)) for k in range(len(self.shards))]:
-            shard = self.shards[k]
-            a, b = shard.piece_bounds[g]
-            st = {}
-            members = [(slot, p) for slot, p, gi in zip(shard.slots, shard.params, shard.groups) if gi == g]
+        for g, shard in [(g, shard) for g in range(len(self.full_groups)) for shard in self.shards]:
+            members = [(slot, p) for slot, p, gi in zip(shard.slots, shard.params, shard.groups) if gi == g + self.g0]
             sources = [by_param[id(p)] for _, p in members if id(p) in by_param]
-            if sources or any(id(p) in by_param for p in self.full_groups[g]):
-                template = sources[0] if sources else next(by_param[id(p)] for p in self.full_groups[g]
-                                                           if id(p) in by_param)
-                for key, value in template.items():
-                    if key in per_element:
-                        flat = torch.zeros(shard.shard_size, dtype=value.dtype)
-                        for slot, p in members:
-                            self._cut_into(flat, shard, slot, by_param.get(id(p), {}).get(key), key)
-                        st[key] = flat[a:b].clone()
-                    else:
-                        st[key] = value.clone() if torch.is_tensor(value) else value
-            if st:
-                pieces_state[self.piece_index(g, k)] = st
+            if not (sources or any(id(p) in by_param for p in self.full_groups[g])):
+                continue
+            template = sources[0] if sources else next(by_param[id(p)] for p in self.full_groups[g] if id(p) in by_param)
+            st = {}
+            for key, value in template.items():
+                if key in per_element:
+                    st[key] = torch.zeros(shard.shard_size, dtype=value.dtype)
+                    for slot, p in members:
+                        self._cut_into(st[key], shard, slot, by_param.get(id(p), {}).get(key), key)
+                else:
+                    st[key] = value
+            for piece, (a, b), pg in zip(shard.pieces, shard.piece_bounds, shard.piece_group):
+                if pg == g + self.g0 and st:
+                    pieces_state[self.index_of[id(piece)]] = {
+                        key: v[a:b].clone().view(piece.shape) if key in per_element else
+                        v.clone() if torch.is_tensor(v) else v for key, v in st.items()}
         packed = self.packed(pieces_state, saved_groups)
         del packed[TAG]  # what the pre-hook returns goes straight to torch
         return packed
@@ -338,7 +404,7 @@ class ShardOptimizer:
 
 def _elementwise(value, piece: torch.Tensor) -> bool:
     """A per-element state of `piece` (exp_avg, momentum_buffer), not a per-step scalar (step)."""
-    return torch.is_tensor(value) and value.dim() == 1 and value.shape == piece.shape
+    return torch.is_tensor(value) and value.dim() >= 1 and value.shape == piece.shape
 
 
 def _per_element_keys(states: list[dict], pieces: list[torch.Tensor]) -> list[str]:
@@ -346,13 +412,15 @@ def _per_element_keys(states: list[dict], pieces: list[torch.Tensor]) -> list[st
     return sorted({k for st, piece in zip(states, pieces) for k, v in st.items() if _elementwise(v, piece)})
 
 
-def _flat_state(shard, states: list[dict], key: str) -> torch.Tensor:
+def _flat_state(shard, pieces: list[torch.Tensor], states: list[dict], key: str) -> torch.Tensor:
     """One shard-sized tensor of state `key`, from the pieces that hold it (zeros elsewhere)."""
-    dtype = next(st[key].dtype for st in states if key in st)
+    dtype = next((st[key].dtype for st in states if key in st), shard.master.dtype)
     flat = torch.zeros_like(shard.master, dtype=dtype)
-    for st, (a, b) in zip(states, shard.piece_bounds):
+    bounds = dict(zip(map(id, shard.pieces), shard.piece_bounds))
+    for piece, st in zip(pieces, states):
         if key in st:
-            flat[a:b].copy_(st[key])
+            a, b = bounds[id(piece)]
+            flat[a:b].copy_(st[key].reshape(-1))
     return flat
 
 

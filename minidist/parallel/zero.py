@@ -5,25 +5,15 @@
     model.clip_grad_norm_(1.0)
     model.optimizer.step(); model.optimizer.zero_grad()
 
-What each rank stores (Psi parameters, N ranks, fp32, Adam):
+Parameters are grouped into FlatShards (flat buffers padded to a multiple of N); rank r owns
+slice r of each, and the optimizer is a real torch optimizer over the owned fp32 slices ("master
+shards"). Gradients reach it by reduce_scatter; after `optimizer.step()` the updated slices are
+all_gathered back into the full parameters (stages 1-2) or gathered on demand before each unit's
+forward and backward (stage 3, zero3.py). What each stage stores and sends: docs/api.md; what
+torch's own calls do on the wrapped model, and why some are refused: docs/drop_in.md.
 
-    stage 1  full parameters, full gradients,  1/N of the optimizer state    8 Psi + 8 Psi/N bytes
-    stage 2  full parameters, 1/N gradients,   1/N of the optimizer state    4 Psi + 12 Psi/N
-    stage 3  1/N parameters,  1/N gradients,   1/N of the optimizer state    16 Psi/N (+ live units)
-
-Parameters are grouped into FlatShards (flat buffers padded to a multiple of N);
-rank r owns slice r of each. The optimizer is a real torch optimizer over the
-owned fp32 slices ("master shards"). Gradients reach it by reduce_scatter: rank r
-receives the average of slice r. After `optimizer.step()` the updated slices are
-all_gathered back into the full parameters (stages 1-2) or gathered on demand
-before each unit's forward and backward (stage 3, see zero3.py).
-
-Drop-in or refuse (docs/drop_in.md): after a synchronised backward each parameter's `.grad` is a
-placeholder (sharded_grad.py); stage 3's `state_dict()` refuses, naming `full_state_dict()` and
-`sharded_state_dict()` (shard_optimizer.py).
-
-This file holds what all stages share (the optimizer, clipping, checkpoints,
-memory) and stages 1-2, which reuse DataParallel's backward machinery.
+This file holds what all stages share (the optimizer, clipping, checkpoints, memory) and stages
+1-2, which reuse DataParallel's backward machinery.
 """
 
 from __future__ import annotations
@@ -64,67 +54,52 @@ def wire_option(value, block: int, what: str) -> Wire | None:
 class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     """ZeRO data parallelism. `ShardedDataParallel(..., stage=k)` builds the stage-k implementation.
 
-    After backward, the averaged gradient is in `model.optimizer`'s parameters (this rank's
-    shard); every module parameter's `.grad` is a placeholder that answers its norm and scaling
-    from the shards, so torch.nn.utils.clip_grad_norm_ works, and raises on any other read (see
-    sharded_grad.py); `model.clip_grad_norm_` clips by the global norm directly.
-    torch.amp.GradScaler works on model.optimizer as under native DDP: every rank skips an
-    overflowing step together (sharded_grad.py). `model.optimizer.state_dict()` is this
-    rank's shard (loading it on another rank is refused); full_optim_state_dict() is the whole,
-    loadable anywhere.
+    After backward the averaged gradient is in `model.optimizer`'s parameters (this rank's shard);
+    each module parameter's `.grad` is a placeholder answering its norm and scaling from the shards
+    (torch.nn.utils.clip_grad_norm_ works; `model.clip_grad_norm_` clips by the global norm),
+    GradScaler skips an overflowing step on every rank alike (sharded_grad.py), and
+    full_optim_state_dict() is the optimizer's whole state, loadable anywhere (docs/drop_in.md).
 
     Args:
         module: the model, the same on every rank.
         optimizer: the torch optimizer the script built over the module's parameters (its param
-            groups keep their options: no weight decay for biases and norms), which from then on
-            steps this rank's shards (model.optimizer is it; schedulers built on it keep working);
-            or a factory called with this rank's shards, e.g.
-            `functools.partial(torch.optim.AdamW, lr=3e-4)`. Element-wise optimizers only (SGD,
-            Adam, AdamW, ...): see shard_optimizer.py.
+            groups keep their options), which from then on steps this rank's shards
+            (model.optimizer is it; schedulers on it keep working); or several, each over its own
+            parameters (`[muon, adamw]`: model.optimizers); or a factory called with this rank's
+            shards, `functools.partial(torch.optim.AdamW, lr=3e-4)`. Element-wise optimizers step
+            flat slices; whole-parameter ones (Muon) whole parameters, each on one rank
+            (shard_optimizer.py).
         stage: 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters).
-        bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size);
-            stage 3 refuses it (its units replace buckets).
-        overlap: communicate during backward (None: the stage's way). Stage 2 reduce_scatters
-            buckets as they fill, stage 3 prefetches the next unit's parameters; False does each
-            after the computation that needs it (to measure what overlap buys). Stage 1 reduces
-            after backward and refuses overlap=True.
+        bucket_cap_mb: flat-group size for stages 1-2 (also the reduce_scatter message size).
+        overlap: communicate during backward (None: the stage's way: stage 2 reduce_scatters buckets
+            as they fill, stage 3 prefetches the next unit); False does each after the computation
+            that needs it (to measure what overlap buys). Stage 1 refuses True.
         param_dtype: compute in this dtype (e.g. torch.bfloat16) with fp32 master shards.
         reduce_dtype: dtype of gradient reduction (default: param_dtype, else fp32).
         mp_policy: FSDP2's MixedPrecisionPolicy instead: its param_dtype and reduce_dtype, outputs
             cast to its output_dtype, inputs cast to param_dtype unless cast_forward_inputs=False.
         reshard_after_forward: stage 3, as FSDP2's: False keeps each unit gathered from its forward
-            to its backward (one gather per step instead of two, full parameters alive between);
-            stages 1-2 never reshard, so they refuse True.
-        collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's),
-            "ring" (minidist.comm.ring, built from send/recv; gloo only) or "auto" (the ring
-            where it measurably wins: gloo's reduce_scatter, gloo's all_gather from 4 MiB;
-            the backend's everywhere else, nccl always: minidist.comm.choose_algorithm).
-        grad_wire: what the gradients travel as (None: reduce_dtype; "bf16", "fp16", "int8": block-
-            scaled int8, ZeRO++'s qgZ). Each rank's gradient / N is rounded to it once; the chunks are
-            summed in full precision on the rank that owns them (minidist.comm.wire), within the
-            shard group and again across the replicas. The master shards get the sum, never rounded.
-        param_wire: what the parameters travel as in every all_gather of the updated shards (None:
-            the compute dtype; "bf16", "int8": ZeRO++'s qwZ). The fp32 master shards the optimizer
-            steps are never rounded; the module's parameters (what forward and backward compute
-            with) are the values the wire delivered, the same on every rank.
-        quant_block: the int8 wires' block size (one fp32 scale per block; default 256, as ZeRO++).
+            to its backward (one gather a step instead of two); stages 1-2 refuse True.
+        collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's), "ring"
+            (minidist.comm.ring, from send/recv; gloo only) or "auto" (the ring where it measurably
+            wins: minidist.comm.choose_algorithm).
+        grad_wire, param_wire, quant_block: what the gradients and the gathered parameters travel as
+            (None, "bf16", "fp16", "int8" with one fp32 scale per quant_block: ZeRO++'s qgZ and
+            qwZ), summed in full precision; the fp32 master shards are never rounded (docs/api.md).
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics) before a forward
             whose previous forward synchronised gradients, as DataParallel and native DDP do.
-        max_inflight: stages 2-3: at most this many full-size gradient buffers wait for
-            their reduce_scatter at once (bounds peak memory; backward waits beyond it).
-        unit_policy, min_unit_params, prefetch: stage 3 only, see zero3.py.
-        find_unused_parameters: as native DDP's. False: a parameter that gets no gradient in a synced
+        max_inflight: stages 2-3: at most this many full-size gradient buffers wait for their
+            reduce_scatter at once (bounds peak memory; backward waits beyond it).
+        unit_policy, min_unit_params, prefetch, init_fn: stage 3 only, see zero3.py.
+        find_unused_parameters: as native DDP's. False: a parameter without gradient in a synced
             backward raises, naming it. True: one small all_reduce per backward finds those no rank
-            used, which raise too (torch's optimizer would skip them, a flat shard cannot); those
-            unused on some ranks only train exactly as under native DDP.
+            used, which raise too (a flat shard cannot skip them); those unused on some ranks only
+            train exactly as under native DDP.
         process_group: the group to shard over (default: the world).
         mesh: hybrid sharding (HSDP) on a minidist.init_mesh(replicate=R, shard=S) (a 1-D torch
-            DeviceMesh, FSDP2's argument, stands for its group instead): shard over
-            the mesh's shard group (one host), replicate across its replicate group. Gradients
-            are reduce_scattered within the shard group, then each shard is all_reduced across
-            the replicas (only that crosses hosts: 1/S of the bytes); parameters are gathered
-            within the shard group only. Memory per rank follows S, not R x S. Not with
-            process_group.
+            DeviceMesh stands for its group): shard within the mesh's shard group, replicate across
+            its replicate group (each reduced shard all_reduced across the replicas: 1/S of the
+            bytes cross hosts). Memory per rank follows S. Not with process_group.
     """
 
     # stage -> the class that implements it. Each stage's module registers itself (stages 1-2
@@ -180,7 +155,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._params = [p for _, p in named]
         # Which optimizer group each parameter belongs to (one group for a factory): the shards are
         # laid out group by group (shard_optimizer.py). Checked before any communication.
-        self._group_of, self._full_groups = parameter_groups(optimizer, module, self._params, self._names)
+        self._group_of, self._full_groups, self._optimizer_spans, self._whole_groups = parameter_groups(
+            optimizer, module, self._params, self._names)
         self.mesh = mesh
         # Sharding happens over process_group (with a mesh: its shard group); data parallelism,
         # the buffer broadcast and Join span dp_group (with a mesh: the whole world).
@@ -213,11 +189,15 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """FlatShard k of the parameters `ids`, laid out group by group; and the ids in that order."""
         ids = order_by_group(ids, self._group_of)
         params = [self._params[i] for i in ids]
-        values = self._meta_init.fill(params, self.world_size) if self._meta_init is not None else None
+        whole = any(self._group_of[i] in self._whole_groups for i in ids)  # (FlatShard decides alike)
+        load = getattr(self, "_owned_so_far", None)  # whole parameters each rank owns in the shards before
+        values = self._meta_init.fill(params, self.world_size, whole, load) if self._meta_init is not None else None
         shard = FlatShard(k, [self._names[i] for i in ids], params, rank=self.rank, values=values,
                           world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
                           keep_full=keep_full, algorithm=self.collectives, wire=self.param_wire,
-                          groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups))
+                          groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups),
+                          whole_groups=self._whole_groups, load=load)
+        self._owned_so_far = shard.load_after
         return shard, ids
 
     def _check_used(self, used_here: list[bool]) -> None:
@@ -257,17 +237,47 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage, self._owned_grad,
                                                        self.process_group, joined=lambda: self._join is not None)
         ModuleStateHooks(self)
-        self._found_inf = FoundInfAgreement(self._shards[0].device, {s.master.dtype for s in self._shards},
-                                            self.dp_group)
-        self._shard_optimizer = ShardOptimizer(
-            optimizer, self._shards, self._full_groups, extra_param=self._found_inf.param,
-            param_names={id(p): n for n, p in plain_module(self.module).named_parameters()},
-            place={"rank": self.rank, "ranks": self.world_size, "stage": self.stage})
-        self.optimizer = self._shard_optimizer.optimizer
-        self._found_inf.attach(self.optimizer)
-        self.optimizer.register_step_pre_hook(lambda *_: self._join_step())  # under Join: announce the step
-        self.optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+        names = {id(p): n for n, p in plain_module(self.module).named_parameters()}
+        place = {"rank": self.rank, "ranks": self.world_size, "stage": self.stage}
+        ends = [g0 for _, g0 in self._optimizer_spans[1:]] + [len(self._full_groups)]
+        self._found_infs = [FoundInfAgreement(self._shards[0].device, {s.master.dtype for s in self._shards},
+                                              self.dp_group) for _ in ends]
+        self._shard_optimizers = [ShardOptimizer(given, self._shards, self._full_groups[g0:g1], names, place,
+                                                 extra_param=found_inf.param, first_group=g0)
+                                  for ((given, g0), g1, found_inf) in zip(self._optimizer_spans, ends, self._found_infs)]
+        self.optimizers = [so.optimizer for so in self._shard_optimizers]  # one, or several (Muon + AdamW)
+        for found_inf, opt in zip(self._found_infs, self.optimizers):
+            found_inf.attach(opt)
+            opt.register_step_pre_hook(lambda *_: self._join_step())  # under Join: announce the step
+            opt.register_step_post_hook(lambda opt, *_: self._optimizer_stepped(opt))
+        self._stepped: set[int] = set()  # the optimizers that stepped since the parameters were last refreshed
         mark_wrapped(self.module, "ShardedDataParallel")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer that steps this rank's shards (given several: model.optimizers, in order)."""
+        if len(self.optimizers) != 1:
+            raise RuntimeError("ShardedDataParallel was given several optimizers: model.optimizers holds them")
+        return self.optimizers[0]
+
+    def _optimizer_stepped(self, optimizer) -> None:
+        """Once every optimizer has stepped, the parameters follow the updated shards (stages 1-2
+        gather them); a forward before that (some optimizer skipped its step) refreshes them first."""
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == len(self.optimizers):
+            self._refresh_after_steps()
+
+    def _refresh_after_steps(self) -> None:
+        self._stepped.clear()
+        self._after_optimizer_step()
+
+    def _shard_optimizer_for(self, optimizer) -> ShardOptimizer:
+        """The ShardOptimizer of `optimizer`, one of model.optimizers (None: the only one)."""
+        found = [so for so in self._shard_optimizers if optimizer is None or so.optimizer is optimizer]
+        if len(found) != 1:
+            raise ValueError("ShardedDataParallel: " + ("it has several optimizers: name one (optimizer=...)" if
+                             optimizer is None else "that optimizer is not one of model.optimizers, which step it"))
+        return found[0]
 
     def _owned_grad(self, i: int) -> torch.Tensor | None:
         """This rank's slice of parameter i's averaged gradient (what its .grad placeholder stands for)."""
@@ -277,7 +287,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     def _gradients_ready(self) -> None:
         """After a synchronised backward: .grad placeholders, and the scaler's agreement, in place."""
         self._grad_placeholders.place()
-        self._found_inf.place()
+        for found_inf in self._found_infs:
+            found_inf.place()
 
     def _after_optimizer_step(self) -> None:
         """Stages 1-2 gather the updated shards into the full parameters; stage 3 does it lazily."""
@@ -289,6 +300,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
     @eager
     def _before_forward(self, args, kwargs):
         """What every stage's forward does first: sync buffers (native DDP's rule), cast inputs."""
+        if self._stepped:  # some optimizers stepped, not all: the parameters follow what they did
+            self._refresh_after_steps()
         src = self._join_forward(args, kwargs)  # under Join: tell the ranks that left what this forward does
         self._buffer_sync.before_forward(self._sync_enabled, src=src)
         return self._cast_inputs(args, kwargs)
@@ -401,9 +414,9 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
 
         A collective: every rank must call it. With rank0_only, other ranks get {}. `optimizer`,
         if given, must be model.optimizer (so the call reads as DataParallel's)."""
-        self._check_is_ours(optimizer)
+        shard_optimizer = self._shard_optimizer_for(optimizer)
         self.wait_for_parameters()
-        return self._shard_optimizer.full_state_dict(rank0_only, self.rank)
+        return shard_optimizer.full_state_dict(rank0_only, self.rank)
 
     @property
     def full_param_groups(self) -> list[list[nn.Parameter]]:
@@ -414,13 +427,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         """Load what full_optim_state_dict() (or a native optimizer over the same param groups)
         saved: each rank keeps its own slice, no communication. The same as
         model.optimizer.load_state_dict(state)."""
-        self._check_is_ours(optimizer)
-        self.optimizer.load_state_dict(state)
-
-    def _check_is_ours(self, optimizer) -> None:
-        if optimizer is not None and optimizer is not self.optimizer:
-            raise ValueError("ShardedDataParallel: that optimizer is not model.optimizer, the one that steps this "
-                             "model's shards")
+        self._shard_optimizer_for(optimizer).optimizer.load_state_dict(state)
 
     def sharded_state_dict(self) -> dict:
         """This rank's shards of the parameters and optimizer state, per parameter, with metadata.
@@ -433,7 +440,13 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         for shard in self._shards:
             for name, piece in shard.owned_pieces(shard.master).items():
                 params.setdefault(name, []).append(piece)
-        optim, scalars = self._shard_optimizer.owned_state()
+        optim, scalars = {}, {}
+        for shard_optimizer in self._shard_optimizers:  # their groups numbered in order, their names apart
+            own, own_scalars = shard_optimizer.owned_state()
+            for key, by_name in own.items():
+                optim.setdefault(key, {}).update(by_name)
+            for k, per_group in own_scalars.items():
+                scalars.setdefault(k, []).extend(per_group)
         shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
         return {
             "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
@@ -441,7 +454,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             "mesh": None if self.mesh is None else [self.mesh.replicate, self.mesh.shard],
             "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
             "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
-                             for g in self.optimizer.param_groups],
+                             for o in self.optimizers for g in o.param_groups],
             "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
                            if not any(v is p for p in self._params)},
         }
@@ -462,7 +475,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         for shard in self._shards:
             shard.fill_from_pieces(shard.master.data, params)
         if "optim" in states[0]:  # (load_full_state_dict's has none: the optimizer is left as it is)
-            self._shard_optimizer.load_owned_state(states)
+            for shard_optimizer in self._shard_optimizers:
+                shard_optimizer.load_owned_state(states)
         with torch.no_grad():
             own = self.module.state_dict(keep_vars=True)
             for key, value in states[0]["replicated"].items():
@@ -479,7 +493,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             "parameters": self._parameter_tensors(),
             "master_params": [s.master for s in self._shards],
             "gradients": self._gradient_tensors(),
-            "optimizer_state": optimizer_tensors(self.optimizer),
+            "optimizer_state": [t for o in self.optimizers for t in optimizer_tensors(o)],
             "comm_buffers": self._comm_buffer_tensors(),
             "replicated": [v for v in self.module.state_dict(keep_vars=True).values()
                            if not any(v is p for p in self._params)],
@@ -649,6 +663,8 @@ class ZeroStage12(ShardedDataParallel):
     def wait_for_parameters(self) -> None:
         """Block until every updated parameter has arrived. Forward does this by itself; call it
         to read the module's parameters between optimizer.step() and the next forward."""
+        if self._stepped:  # (not every optimizer has stepped: gather what those that did changed)
+            self._refresh_after_steps()
         self._wait_gathers(list(self._pending_gathers))
 
 
@@ -702,7 +718,7 @@ class ZeroStage2(ZeroStage12):
         shard = bucket.shard
         self._limit_inflight()
         bucket.buffer = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
-        bucket.buffer[shard.numel:].zero_()  # the padding; every slot is written by _fill_slot
+        shard.zero_padding(bucket.buffer)  # every slot is written by _fill_slot
         bucket.views = [bucket.buffer[s.offset:s.offset + s.numel].view(s.shape) for s in shard.slots]
 
     def _release(self, bucket: ShardBucket) -> None:

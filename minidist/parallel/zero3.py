@@ -33,7 +33,8 @@ from minidist.comm.check import exchange
 from minidist.comm.wire import QUANT_BLOCK
 from minidist.parallel.buckets import BufferPool
 from minidist.parallel.compat import check_reshard_after_forward, eager, mark_hooked, refuse_unknown
-from minidist.parallel.flat_shard import FlatShard, SecondaryShards, secondary_size
+from minidist.parallel.flat_shard import FlatShard
+from minidist.parallel.hpz import SecondaryShards, secondary_size
 from minidist.parallel.join import tensors_in
 from minidist.parallel.sharded_grad import local_grad
 from minidist.parallel.zero import ShardedDataParallel
@@ -378,7 +379,7 @@ class ZeroStage3(ShardedDataParallel):
             self._complete(self._inflight[0])
         with torch.no_grad():
             staging = self._pool.get(shard.padded, self.reduce_dtype, shard.device)
-            staging[shard.numel:].zero_()  # padding
+            shard.zero_padding(staging)
             for slot, i in zip(shard.slots, u.param_ids):
                 p = self._params[i]
                 grad = local_grad(p)  # None: no gradient in this backward, contributes zeros

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from minidist.dist import print0
-from minidist.parallel.shard_optimizer import check_elementwise
+from minidist.parallel.shard_optimizer import check_elementwise, is_whole_parameter
 from minidist.train import data as data_mod
 from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkpoints, read_meta
 from minidist.train.checkpoint_safety import CheckpointRefused, verify_checkpoint_files
@@ -297,6 +297,11 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if str(peak) != "auto" and not (isinstance(peak, (int, float)) and peak > 0):
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
     optim_cls, optim_kwargs = optimizer_spec(cfg.optim)  # a class it can import, or a ConfigError naming optim._target_
+    if is_whole_parameter(optim_cls):
+        raise ConfigError(f"optim._target_={cfg.optim._target_}: the trainer builds one optimizer over every "
+                          "parameter, and this one updates weight matrices (biases, norms and embeddings want "
+                          "AdamW): its two-optimizer recipe runs in a script, ShardedDataParallel(net, [muon, adamw], "
+                          "stage=k) or DataParallel (docs/api.md); use an element-wise optim here")
     if spec.flat_optimizer_shards:
         try:
             check_elementwise(optim_cls)
