@@ -53,7 +53,6 @@ def build(stage: int, muon: bool):
 def step(model, opts, seed: int) -> None:
     import torch
 
-    import minidist
     from minidist.train.models import GPT
     rank = torch.distributed.get_rank()
     x = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=torch.Generator().manual_seed(1000 * seed + rank))
