@@ -53,9 +53,9 @@ MUTATIONS = [
              "            total.add_(got[(r - k) % n])", ("tests/test_zero_collectives.py",)),
     Mutation("reshard_rounds_adam_to_bf16", "a sharded checkpoint reloads at another world size exactly",
              "minidist/parallel/shard_optimizer.py",
-             "                    state.setdefault(self.piece_index(g, k), {})[key] = flat[a:b].clone()",
-             "                    state.setdefault(self.piece_index(g, k), {})[key] = flat[a:b].to(torch.bfloat16)"
-             ".float() if key == 'exp_avg_sq' else flat[a:b].clone()", ("tests/test_zero.py",)),
+             "                        state.setdefault(self.index_of[id(piece)], {})[key] = flat[a:b].clone().view(piece.shape)",
+             "                        state.setdefault(self.index_of[id(piece)], {})[key] = (flat[a:b].to(torch.bfloat16)"
+             ".float() if key == 'exp_avg_sq' else flat[a:b].clone()).view(piece.shape)", ("tests/test_zero.py",)),
     Mutation("ddp_average_off_by_1e-6", "DataParallel is bitwise native DDP at 2 ranks",
              "minidist/parallel/ddp.py", "        scale = 1.0 / self.world_size\n",
              "        scale = (1.0 + 1e-6) / self.world_size\n", ("tests/test_ddp.py",)),
