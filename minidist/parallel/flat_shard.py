@@ -44,6 +44,7 @@ forward and backward (stage 3).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +110,8 @@ def flat_layout(numels: list[int], world_size: int, whole: bool = False,
     rank owns ~1/N of the model within its largest parameter; each rank's in their given order, its
     slice padded to the fullest rank's here."""
     if not whole:
-        offsets = [sum(numels[:i]) for i in range(len(numels))]
-        return offsets, -(-sum(numels) // world_size) * world_size, load
+        offsets = list(itertools.accumulate(numels, initial=0))
+        return offsets[:-1], -(-offsets[-1] // world_size) * world_size, load
     total, here, owner = list(load or [0] * world_size), [0] * world_size, [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: -numels[i]):
         owner[i] = min(range(world_size), key=lambda r: (here[r], total[r], r))
@@ -158,6 +159,10 @@ class FlatShard:
         offsets, self.padded, self.load_after = flat_layout([p.numel() for p in params], world_size, self.whole, load)
         self.slots = [ParamSlot(name, tuple(p.shape), at, p.numel()) for name, p, at in zip(names, params, offsets)]
         self.numel = sum(p.numel() for p in params)
+        # What no parameter covers, zeroed in every reduce buffer (cut layout: the tail alone).
+        ends = [0] + [s.offset + s.numel for s in sorted(self.slots, key=lambda s: s.offset)]
+        starts = [s.offset for s in sorted(self.slots, key=lambda s: s.offset)] + [self.padded]
+        self.gaps = [(a, b) for a, b in zip(ends, starts) if a < b]
         self.shard_size = self.padded // world_size
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
@@ -184,23 +189,24 @@ class FlatShard:
     def _cut_into_pieces(self, n_groups: int, whole_groups: frozenset) -> None:
         """The pieces the optimizer steps: per group one flat view of the master shard (maybe empty;
         cut layout: together they tile it; whole layout: the padding in none), or for a group in
-        `whole_groups` one per parameter this rank owns, shaped as it. piece_bounds[j], piece_group[j]: piece j's (start, end) in the master shard,
-        its group; slot_piece[k]: the piece holding this rank's part of parameter k (None: none)."""
+        `whole_groups` one per parameter this rank owns, shaped as it. piece_bounds[j], piece_group[j]:
+        piece j's (start, end) in the master shard, its group; slot_piece[k]: the piece holding this
+        rank's part of parameter k (None: none)."""
         if any(b < a for a, b in zip(self.groups, self.groups[1:])):
             raise ValueError("FlatShard: parameters must be ordered by optimizer group (order_by_group)")
         clamp = lambda x: min(max(x - self.lo, 0), self.shard_size)  # noqa: E731
         mine = [k for k in range(len(self.slots)) if self.owned_range(k, self.rank)[1]]
+        mine_of = [[k for k in mine if self.groups[k] == g] for g in range(n_groups)]
         if self.whole:  # each group's parameters here (ordered by group), no padding: it would get state
-            own = [[self.slots[k] for k in mine if self.groups[k] == g] for g in range(n_groups)]
-            starts = [min([s.offset for s in slots], default=self.lo) for slots in own]
-            ends = [max([s.offset + s.numel for s in slots], default=self.lo) for slots in own]
+            starts = [min([self.slots[k].offset for k in ks], default=self.lo) for ks in mine_of]
+            ends = [max([self.slots[k].offset + self.slots[k].numel for k in ks], default=self.lo) for ks in mine_of]
         else:
             starts = [min([s.offset for s, gi in zip(self.slots, self.groups) if gi >= g], default=self.numel)
                       for g in range(n_groups)]
             ends = starts[1:] + [self.padded]
         bounds, shapes, self.piece_group, self.slot_piece = [], [], [], [None] * len(self.slots)
         for g, (a, b) in enumerate(zip(starts, ends)):
-            for k in ([k for k in mine if self.groups[k] == g] if g in whole_groups else [None]):
+            for k in (mine_of[g] if g in whole_groups else [None]):
                 if k is not None:
                     a, b = self.slots[k].offset, self.slots[k].offset + self.slots[k].numel
                 bounds.append((clamp(a), clamp(b)))
@@ -216,11 +222,8 @@ class FlatShard:
 
     def zero_padding(self, flat: torch.Tensor) -> None:
         """Zero what no parameter covers in a flat buffer of this layout (its gaps and tail)."""
-        end = 0
-        for slot in sorted(self.slots, key=lambda s: s.offset):
-            flat[end:slot.offset].zero_()
-            end = slot.offset + slot.numel
-        flat[end:].zero_()
+        for a, b in self.gaps:
+            flat[a:b].zero_()
 
     # ----------------------------------------------------------------- gradients (of the pieces)
 

@@ -303,8 +303,11 @@ class ShardOptimizer:
         opt = self.optimizer
         values: dict[int, dict] = {}  # id(parameter) -> its full state
         # The per-element keys, agreed: under the whole layout a rank may hold none of a shard's pieces.
-        keys = sorted(set().union(*comm.all_gather_object(sorted({key for shard in self.shards for key in _per_element_keys(
-            [opt.state.get(p, {}) for p in self._pieces(shard)], self._pieces(shard))}), group=self.shards[0].group)))
+        here = set()
+        for shard in self.shards:
+            pieces = self._pieces(shard)
+            here.update(_per_element_keys([opt.state.get(p, {}) for p in pieces], pieces))
+        keys = sorted(set().union(*comm.all_gather_object(sorted(here), group=self.shards[0].group)))
         for shard in self.shards:
             pieces = self._pieces(shard)
             states = [opt.state.get(piece, {}) for piece in pieces]

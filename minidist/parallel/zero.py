@@ -178,6 +178,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             wire=self.grad_wire)
         # A meta-built model (stage 3): its buffers get their values now, its parameters unit by unit (_flat_shard).
         self._meta_init = MetaInit(module, init_fn, self.dp_group) if meta_built else None
+        self._owned_so_far = None  # whole parameters each rank owns in the flat shards made so far (flat_layout)
         device = self._meta_init.device if meta_built else next((p.device for p in module.parameters()), None)
         comm.choose_algorithm("reduce_scatter", self.process_group, collectives, device=device)  # raises on a bad choice
         self.collectives = collectives
@@ -190,7 +191,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         ids = order_by_group(ids, self._group_of)
         params = [self._params[i] for i in ids]
         whole = any(self._group_of[i] in self._whole_groups for i in ids)  # (FlatShard decides alike)
-        load = getattr(self, "_owned_so_far", None)  # whole parameters each rank owns in the shards before
+        load = self._owned_so_far
         values = self._meta_init.fill(params, self.world_size, whole, load) if self._meta_init is not None else None
         shard = FlatShard(k, [self._names[i] for i in ids], params, rank=self.rank, values=values,
                           world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
@@ -413,7 +414,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         world size (`model.optimizer.load_state_dict(it)` on every rank) and by native DDP.
 
         A collective: every rank must call it. With rank0_only, other ranks get {}. `optimizer`,
-        if given, must be model.optimizer (so the call reads as DataParallel's)."""
+        if given, must be one of model.optimizers (needed when there are several; with one, the call
+        reads as DataParallel's)."""
         shard_optimizer = self._shard_optimizer_for(optimizer)
         self.wait_for_parameters()
         return shard_optimizer.full_state_dict(rank0_only, self.rank)
