@@ -241,3 +241,67 @@ def test_what_is_refused_names_the_way(ranks):
     assert "pass the optimizer built over them" in factory and "[muon, adamw]" in factory
     assert "Adafactor" in adafactor and "row and column statistics" in adafactor
     assert "does not hold these trainable parameters" in missing
+
+
+# ---------------------------------------------------------------------------- the trainer: optim=muon
+# Trainer runs without gradient clipping: ZeRO sums the clipping norm's squares shard by shard, an ulp
+# from native DDP's order, and Muon's bf16 orthogonalisation can turn an ulp into 1e-3; without it,
+# the arithmetic is the same and so are the bits.
+NO_CLIP = ("optim=muon", "trainer.grad_clip=0", "trainer.max_steps=4", "trainer.ckpt_every=2")
+
+
+@pytest.fixture(scope="module")
+def native_muon(ranks, tmp_path_factory):
+    """optim=muon under native DDP, 4 steps at 2 ranks: the trainer's reference."""
+    from train_cases import tiny, train_on_rank
+    run_dir = tmp_path_factory.mktemp("muon") / "native_ddp"
+    return ranks(2).run(train_on_rank, tiny(*NO_CLIP, strategy="native_ddp"), str(run_dir), timeout_s=120)[0]
+
+
+@pytest.mark.parametrize("strategy", [pytest.param(s, marks=pytest.mark.slow(
+    stand_in="test_optim_muon_in_the_trainer_equals_native_ddp_bitwise[zero2]")) if s in ("ddp", "zero1") else s
+    for s in ("ddp", "zero1", "zero2", "zero3")])
+def test_optim_muon_in_the_trainer_equals_native_ddp_bitwise(ranks, native_muon, strategy, tmp_path):
+    """optim=muon (Muon over the hidden matrices, AdamW over embeddings, head, norms and biases) under
+    our strategies ends where native DDP with the same two optimizers ends, to the bit; the
+    checkpoint holds Muon's momentum for the hidden matrices, AdamW's moments for the rest (the head is
+    tied to the token embedding: AdamW's)."""
+    from minidist.train.checkpoint import list_checkpoints
+    from train_cases import assert_same, tiny, train_on_rank
+    from test_resume_anywhere import portable
+    ours = ranks(2).run(train_on_rank, tiny(*NO_CLIP, strategy=strategy), str(tmp_path), timeout_s=120)[0]
+    assert_same(ours["full_state"], native_muon["full_state"])
+    _, optim = portable(list_checkpoints(tmp_path)[-1])
+    assert set(optim["state"]["blocks.0.attn.qkv.weight"]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(optim["state"]["tok_emb.weight"]) & set(optim["state"]["blocks.0.ln1.bias"])
+    assert [g["lr"] for g in optim["param_groups"]] != [optim["param_groups"][0]["lr"]] * 2  # each its own
+
+
+def groups_after_resume(cfg: dict, run_dir: str, ckpt: str) -> list[tuple[float, float]]:
+    from omegaconf import OmegaConf
+
+    from minidist.train.trainer import Trainer
+    trainer = Trainer(OmegaConf.create(cfg), run_dir, resume_from=ckpt)
+    try:
+        return [(g["initial_lr"], g["lr"]) for g in trainer.optimizer.param_groups]
+    finally:
+        trainer.close()
+
+
+def test_optim_muon_resumes_as_another_strategy_exactly_and_takes_each_lr(ranks, native_muon, tmp_path):
+    """Saved by zero2 after 2 steps (its sharded layout: Muon's and AdamW's groups, named), resumed as
+    zero3 and as ddp (the portable form, each parameter's state found by name): native DDP's 4 steps,
+    to the bit. Resumed with a new AdamW lr, the AdamW group takes it and Muon's keeps its own."""
+    from minidist.train.checkpoint import list_checkpoints
+    from train_cases import assert_same, tiny, train_on_rank
+    pool = ranks(2)
+    pool.run(train_on_rank, tiny(*NO_CLIP, "trainer.stop_at=2", strategy="zero2"), str(tmp_path / "a"), timeout_s=120)
+    ckpt = str(list_checkpoints(tmp_path / "a")[-1])
+    for strategy in ("zero3", "ddp"):
+        resumed = pool.run(train_on_rank, tiny(*NO_CLIP, strategy=strategy), str(tmp_path / strategy), ckpt,
+                           timeout_s=120)[0]
+        assert_same(resumed["full_state"], native_muon["full_state"], strategy)
+    cfg = tiny(*NO_CLIP, "optim.adamw_lr=1e-3", strategy="zero3")
+    (muon, adamw), _ = pool.run(groups_after_resume, cfg, str(tmp_path / "c"), ckpt, timeout_s=120)
+    assert muon[0] == cfg["optim"]["lr"] and adamw[0] == 1e-3
+    assert muon[1] / muon[0] == pytest.approx(adamw[1] / adamw[0])  # one schedule, each group's peak

@@ -24,9 +24,11 @@ CASES = [
     # ZeRO steps flat slices across parameters: only element-wise optimizers are exact there
     (["optim._target_=torch.optim.Adafactor", "strategy=zero2", "~optim.weight_decay"], 2,
      r"optim._target_=torch.optim.Adafactor with strategy=zero2: ShardedDataParallel cannot shard Adafactor"),
-    # Muon takes weight matrices only: the trainer's one optimizer over every parameter cannot be it
+    # Muon takes weight matrices only: its recipe with AdamW is optim=muon, which torch's and DeepSpeed's
+    # sharding cannot take (one optimizer class over partitions of their own)
     (["optim._target_=torch.optim.Muon", "strategy=zero2"], 2,
-     r"optim._target_=torch.optim.Muon: the trainer builds one optimizer over every parameter.*\[muon, adamw\]"),
+     r"optim._target_=torch.optim.Muon: it steps weight matrices only.*use optim=muon"),
+    (["optim=muon", "strategy=native_fsdp"], 2, r"optim=muon with strategy=native_fsdp: .*muon runs under single, ddp, .*zero2"),
     (["data._target_=subprocess.Popen"], 2, r"data._target_='subprocess.Popen' was not imported: only minidist's "
                                             r"classes are"),
     (["data._target_=subprocess.Popen", "data.module=subprocess"], 2, r"data._target_='subprocess.Popen' is not a "

@@ -114,6 +114,8 @@ def parameter_groups(optimizer, module: nn.Module, trainable: list[nn.Parameter]
         if isinstance(cls, type) and is_whole_parameter(cls):
             check_elementwise(cls)  # refused, naming the way
         return [0] * len(trainable), [list(module.parameters())], [(optimizer, 0)], frozenset()
+    if isinstance(getattr(optimizer, "optimizers", None), list):  # several stepped as one (train/optim.py's
+        optimizer = optimizer.optimizers                            # CombinedOptimizer, torchtitan's container)
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
         raise TypeError("ShardedDataParallel: a list of optimizers must hold torch.optim.Optimizer objects built "

@@ -450,13 +450,16 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             for k, per_group in own_scalars.items():
                 scalars.setdefault(k, []).extend(per_group)
         shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
+        name_of = {id(p): n for n, p in plain_module(self.module).named_parameters()}
+        groups = [g for o in self.optimizers for g in o.param_groups]
         return {
             "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
             # with a mesh, world_size/rank are the shard group's: every replica holds the same shards
             "mesh": None if self.mesh is None else [self.mesh.replicate, self.mesh.shard],
             "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
-            "param_groups": [{k: v for k, v in g.items() if k not in ("params", "param_names")}
-                             for o in self.optimizers for g in o.param_groups],
+            "param_groups": [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                              "param_names": [name_of[id(p)] for p in full]}  # (another layout reads them)
+                             for g, full in zip(groups, self._full_groups)],
             "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
                            if not any(v is p for p in self._params)},
         }

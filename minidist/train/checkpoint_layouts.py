@@ -75,7 +75,7 @@ class Full(Collected):
     def collect(self, strategy) -> dict[str, object]:
         """This rank's files: {name in the folder: what it holds}. The collectives happen here."""
         model, optim = strategy.full_state_dict(), strategy.optimizer_state_dict()
-        return {MODEL: model, OPTIMIZER: optim} if strategy.ctx.rank == 0 else {}
+        return {MODEL: model, OPTIMIZER: strategy.name_groups(optim)} if strategy.ctx.rank == 0 else {}
 
     def load(self, strategy, directory: Path, meta: dict) -> None:
         device = strategy.ctx.device
@@ -145,22 +145,24 @@ class Sharded(Collected):
 
     def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
         shards = self.all_shards(ckpt, meta)
-        shapes = shards[0]["shapes"]
-        state = {name: {} for name in shapes}
-        for key in shards[0]["optim"]:
-            pieces = merged_pieces(shards, "optim", key)
-            for name, shape in shapes.items():
-                state[name][key] = assemble(name, shape, pieces[name], f"{ckpt} ({key})")
-        # Per-step scalars (Adam's step) are the same in every shard and group piece: any one's.
-        scalars = next((g for groups in shards[0]["optim_scalars"].values()
-                        for g in (groups if isinstance(groups, list) else [groups]) if g), {})
-        for name in state:
-            state[name].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
-        groups = shards[0]["param_groups"]
-        if len(groups) != 1:
-            raise ValueError(f"{ckpt}: {len(groups)} param groups; resuming in another layout takes one")
-        return self.consolidate(ckpt, meta, shards), {"state": state,
-                                                      "param_groups": [{**groups[0], "params": list(shapes)}]}
+        shapes, groups = shards[0]["shapes"], shards[0]["param_groups"]
+        if len(groups) > 1 and not all("param_names" in g for g in groups):
+            raise ValueError(f"{ckpt}: {len(groups)} param groups, not named; resuming in another layout takes one")
+        members = [g.get("param_names", list(shapes)) for g in groups]  # (files before optim=muon: one group)
+        state: dict[str, dict] = {name: {} for name in shapes}
+        for key in sorted(set().union(*(s["optim"] for s in shards))):  # Muon's keys are not AdamW's
+            holding = [n for n in shapes if any(n in s["optim"].get(key, {}) for s in shards)]
+            for name, pieces in merged_pieces(shards, "optim", key, holding).items():
+                state[name][key] = assemble(name, shapes[name], pieces, f"{ckpt} ({key})")
+        # Per-step scalars (Adam's step) are the same in every shard's piece of a group: any one's.
+        per_shard = [groups if isinstance(groups, list) else [groups]  # (one dict in older files)
+                     for s in shards for groups in s["optim_scalars"].values()]
+        for g, names_in_group in enumerate(members):
+            scalars = next((gs[g] for gs in per_shard if g < len(gs) and gs[g]), {})
+            for name in names_in_group:
+                state[name].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        return self.consolidate(ckpt, meta, shards), {"state": state, "param_groups": [
+            {**{k: v for k, v in g.items() if k != "param_names"}, "params": list(m)} for g, m in zip(groups, members)]}
 
     def describe(self, meta: dict) -> str:
         return f"sharded: {self.shards(meta)} shard file(s)"
@@ -247,10 +249,14 @@ class Distributed:
 
 def named_optimizer_state(optim: dict, names: list[str]) -> dict:
     """A torch optimizer's state_dict keyed by parameter name (`names`: the parameters in its
-    numbering; a state keyed by name already stays so)."""
+    numbering, unless its groups name theirs; a state keyed by name already stays so)."""
+    groups = optim["param_groups"]
+    if all("param_names" in g for g in groups):
+        names = [n for g in groups for n in g["param_names"]]
     name = lambda key: key if isinstance(key, str) else names[int(key)]  # noqa: E731
     return {"state": {name(k): v for k, v in optim["state"].items()},
-            "param_groups": [{**g, "params": [name(k) for k in g["params"]]} for g in optim["param_groups"]]}
+            "param_groups": [{**{k: v for k, v in g.items() if k != "param_names"},
+                              "params": [name(k) for k in g["params"]]} for g in groups]}
 
 
 OUTER = "outer.pt"

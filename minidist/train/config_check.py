@@ -19,9 +19,10 @@ from minidist.train.checkpoint import check_fits, latest_checkpoint, list_checkp
 from minidist.train.checkpoint_safety import CheckpointRefused, verify_checkpoint_files
 from minidist.train.config import ConfigError, config_changes, describe, is_fixed
 from minidist.train.models import MODELS, build_model
-from minidist.train.optim import optimizer_spec
+from minidist.train.optim import CombinedOptimizer, optimizer_spec
 from minidist.train.resilience import planned_kills
-from minidist.train.strategies import check_options, mesh_dims
+from minidist.train.strategies import check_options, mesh_dims, names
+from minidist.train.strategies import spec as strategy_spec
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -248,7 +249,8 @@ def check_optimizer_arguments(cls, kwargs: dict) -> None:
     """Build the optimizer once on a probe parameter: a bad value (optim.lr=-1) or argument is
     refused here, naming it, instead of inside every rank after start-up."""
     try:
-        cls([torch.nn.Parameter(torch.zeros(1))], **{k: v for k, v in kwargs.items() if k != "fused"})
+        probe = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(2, 2))]  # (a matrix for Muon)
+        cls(probe, **{k: v for k, v in kwargs.items() if k != "fused"})
     except (ValueError, TypeError) as e:
         raise ConfigError(f"optim ({cls.__name__}): {e}; fix the optim.* setting it names") from None
 
@@ -298,11 +300,16 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
         raise ConfigError(f"trainer.peak_tflops={peak!r} must be auto (the device's peak) or a positive number of TFLOP/s")
     optim_cls, optim_kwargs = optimizer_spec(cfg.optim)  # a class it can import, or a ConfigError naming optim._target_
     if is_whole_parameter(optim_cls):
-        raise ConfigError(f"optim._target_={cfg.optim._target_}: the trainer builds one optimizer over every "
-                          "parameter, and this one updates weight matrices (biases, norms and embeddings want "
-                          "AdamW): its two-optimizer recipe runs in a script, ShardedDataParallel(net, [muon, adamw], "
-                          "stage=k) or DataParallel (docs/api.md); use an element-wise optim here")
-    if spec.flat_optimizer_shards:
+        raise ConfigError(f"optim._target_={cfg.optim._target_}: it steps weight matrices only, and the trainer builds "
+                          "one optimizer over every parameter: use optim=muon (Muon for the hidden matrices, AdamW "
+                          "for the rest)")
+    if issubclass(optim_cls, CombinedOptimizer):  # ZeRO checks each of its optimizers when it adopts them
+        if not spec.several_optimizers:
+            takers = [n for n in names() if strategy_spec(n).several_optimizers]
+            raise ConfigError(f"optim={cfg.optim.get('name')} with strategy={spec.name}: it takes one optimizer class "
+                              "over partitions of its own (fully_shard's Muon would orthogonalise a slice of each "
+                              f"matrix); {cfg.optim.get('name')} runs under {', '.join(takers)}")
+    elif spec.flat_optimizer_shards:
         try:
             check_elementwise(optim_cls)
         except TypeError as e:

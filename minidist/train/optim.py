@@ -8,6 +8,9 @@ as its arguments, except the schedule's and `fused`. It is handed on as (class, 
 instantiated: ZeRO builds it over its own shards. Only optimizer classes are accepted, so a
 config cannot name arbitrary code to run.
 
+Several optimizers stepped as one (CombinedOptimizer): optim=muon's MuonWithAdamW, Muon over the
+hidden weight matrices (hidden_matrices) and AdamW over the rest, each group its own lr.
+
 One optimizer step through a strategy: the trainer's and the comparison's, the same code.
 
     loss, grad_norm = accumulate_and_step(strategy, micro_batches, loss_fn, max_norm, scaler)
@@ -24,12 +27,14 @@ they are what the comparison's timeline draws as compute.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.profiler import record_function
 
 from minidist.train.config import class_named
@@ -63,6 +68,93 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     if fused == "auto" and device.type == "cuda" or fused is True:
         kwargs["fused"] = True
     return cls, kwargs
+
+
+def merged_state_dicts(states: list[dict]) -> dict:
+    """Several optimizers' state_dicts as one optimizer over all their groups, in order, would
+    write it: the parameters numbered on from one to the next."""
+    merged, offset = {"state": {}, "param_groups": []}, 0
+    for state in states:
+        merged["state"].update({offset + i: v for i, v in state["state"].items()})
+        merged["param_groups"] += [{**g, "params": [offset + i for i in g["params"]]} for g in state["param_groups"]]
+        offset += sum(len(g["params"]) for g in state["param_groups"])
+    return merged
+
+
+def split_state_dict(state: dict, group_counts: list[int]) -> list[dict]:
+    """merged_state_dicts' inverse: one state_dict per optimizer, the first holding
+    group_counts[0] groups, and so on, each numbered from 0."""
+    if sum(group_counts) != len(state["param_groups"]):
+        raise ValueError(f"the optimizer state holds {len(state['param_groups'])} param groups, these optimizers "
+                         f"{sum(group_counts)} ({' + '.join(map(str, group_counts))}): it was saved from others")
+    out, start = [], 0
+    for n in group_counts:
+        groups, start = state["param_groups"][start:start + n], start + n
+        number = {i: k for k, i in enumerate(i for g in groups for i in g["params"])}
+        out.append({"state": {number[i]: v for i, v in state["state"].items() if i in number},
+                    "param_groups": [{**g, "params": [number[i] for i in g["params"]]} for g in groups]})
+    return out
+
+
+class CombinedOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped, scheduled and checkpointed as one (torchtitan's container's idea):
+    `param_groups` are theirs in order (the same dicts: a scheduler sets each group's lr), and
+    state_dict() numbers their parameters as one optimizer over all those groups would.
+    ShardedDataParallel takes its `optimizers` as the list they are."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = []  # empty while torch's __init__ adds its (discarded) group
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.optimizers = list(optimizers)
+
+    # Read from the optimizers (torch's __init__ assigns both, to no effect here). `state`: a view,
+    # each parameter's state dict theirs; a parameter without state reads as {}, as in torch's.
+    param_groups = property(lambda self: [g for o in self.optimizers for g in o.param_groups], lambda self, _: None)
+    state = property(lambda self: collections.defaultdict(
+        dict, {p: s for o in self.optimizers for p, s in o.state.items()}), lambda self, _: None)
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("CombinedOptimizer.step takes no closure (each optimizer would run it)")
+        for o in self.optimizers:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return merged_state_dicts([o.state_dict() for o in self.optimizers])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        counts = [len(o.param_groups) for o in self.optimizers]
+        for o, part in zip(self.optimizers, split_state_dict(state_dict, counts)):
+            o.load_state_dict(part)
+
+
+class MuonWithAdamW(CombinedOptimizer):
+    """The Muon recipe as one optimizer: torch.optim.Muon over `muon_params` (the hidden weight
+    matrices; default: every 2-D parameter), AdamW over the rest (embeddings, the head, norms,
+    biases), each with its own lr and options (AdamW's prefixed adamw_). optim=muon in the trainer,
+    which passes hidden_matrices(net); under ZeRO each matrix is owned whole by one rank."""
+
+    def __init__(self, params, muon_params=None, lr: float = 0.02, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str | None = None, adamw_lr: float = 3e-3,
+                 adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.1, fused=None):
+        params = list(params)
+        hidden = {id(p) for p in (muon_params if muon_params is not None else [p for p in params if p.ndim == 2])}
+        matrices, rest = [p for p in params if id(p) in hidden], [p for p in params if id(p) not in hidden]
+        optimizers = [torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                       ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)] if matrices else []
+        if rest:
+            optimizers.append(torch.optim.AdamW(rest, lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                                                weight_decay=adamw_weight_decay, fused=fused))
+        super().__init__(optimizers)
+
+
+def hidden_matrices(net: nn.Module) -> list[nn.Parameter]:
+    """The parameters Muon is for: 2-D weights but those of embeddings (tied ones too) and of the
+    output head (the model's last nn.Linear)."""
+    linears = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    skip = {id(m.weight) for m in net.modules() if isinstance(m, nn.Embedding)}
+    skip |= {id(linears[-1].weight)} if linears else set()
+    return [p for p in net.parameters() if p.ndim == 2 and p.requires_grad and id(p) not in skip]
 
 
 def task_loss(out: torch.Tensor, y: torch.Tensor, is_text: bool) -> torch.Tensor:

@@ -31,7 +31,8 @@ import torch
 
 from minidist.train.data import ShardedBatchSampler, build_datasets, collate
 from minidist.train.models import build_model
-from minidist.train.optim import accumulate_and_step, lr_lambda, optimizer_spec, task_loss
+from minidist.train.optim import (MuonWithAdamW, accumulate_and_step, hidden_matrices, lr_lambda, optimizer_spec,
+                                  task_loss)
 from minidist.train.strategies import Strategy, build_strategy
 
 
@@ -161,6 +162,8 @@ def build_training_state(cfg, strategy_cfg, ctx, info, total_steps: int) -> Trai
     strategy = build_strategy(strategy_cfg, ctx, str(t.precision))
     strategy.total_steps = int(total_steps)
     optim_cls, optim_kwargs = optimizer_spec(cfg.optim, ctx.device)
+    if issubclass(optim_cls, MuonWithAdamW):  # optim=muon: the model says which weights are hidden
+        optim_kwargs["muon_params"] = hidden_matrices(net)
     model, optimizer = strategy.wrap(net, optim_cls, optim_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_lambda(int(cfg.optim.warmup_steps), int(total_steps), float(cfg.optim.min_lr_ratio)))

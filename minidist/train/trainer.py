@@ -40,7 +40,6 @@ from minidist.train.config import config_changes, describe, schedule_changed
 from minidist.train.config_check import grad_accum_on_resume, grad_accum_steps
 from minidist.train.data import collate
 from minidist.train.models import count_parameters, gpt_flops_per_token
-from minidist.train.optim import optimizer_spec
 from minidist.train.resilience import (FaultPlan, HostTraffic, PeerWatch, collective_failure, cross_host_sent,
                                        write_record)
 from minidist.train.run_files import RunLog, append_file, replacing
@@ -301,6 +300,8 @@ class Trainer:
         return {"checkpoint/blocked_s": self.checkpoints.blocked_s, "checkpoint/write_s": self.checkpoints.write_s}
 
     def _resume(self, ckpt: Path) -> None:
+        built = [{k: v for k, v in group.items() if k != "lr" and isinstance(v, (int, float, tuple))
+                  and not isinstance(v, bool)} for group in self.optimizer.param_groups]  # flags stay as built
         meta = load_checkpoint(ckpt, self.strategy)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.scaler.load_state_dict(meta["scaler"])
@@ -313,7 +314,7 @@ class Trainer:
             reseed_per_rank(int(self.cfg.trainer.seed) + 1_000_003 * self.step, self.ctx.rank)
         changes = config_changes(meta["config"], OmegaConf.to_container(self.cfg, resolve=True))
         if schedule_changed(changes):
-            self._follow_optim_config()
+            self._follow_optim_config(built)
         self.log.info((f"resumed step {self.step} of {meta['strategy']} at {meta['world_size']} ranks as "
                        f"{self.strategy.name} at {self.ctx.world_size} ranks (from {ckpt})" if converted else
                        f"resumed from {ckpt} at step {self.step}") +
@@ -321,19 +322,15 @@ class Trainer:
         if changes:  # the console had them before the ranks started (config_check.resume_notice)
             self.log.logger.info(f"settings changed since {ckpt.name}: {describe(changes)} (applied)")
 
-    def _follow_optim_config(self) -> None:
-        """The optimizer state came back with the checkpoint's learning rate and options: take this
-        run's (config_check refused those that may not change), and the schedule's point for this
-        step under this run's schedule."""
-        _, kwargs = optimizer_spec(self.cfg.optim)
-        numbers = {k: v for k, v in kwargs.items() if k != "lr" and not isinstance(v, bool)
-                   and isinstance(v, (int, float, tuple))}  # flags (fused, foreach) stay as built
+    def _follow_optim_config(self, built: list[dict]) -> None:
+        """The optimizer state came back with the checkpoint's learning rates and options: take this
+        run's, `built` (each group's numbers as the config built them; config_check refused those
+        that may not change), and the schedule's point for this step under this run's schedule."""
         s = self.scheduler
-        s.base_lrs = [kwargs["lr"]] * len(self.optimizer.param_groups)
-        for group, factor in zip(self.optimizer.param_groups, s.lr_lambdas):
-            group.update({k: v for k, v in numbers.items() if k in group})
-            group["initial_lr"] = kwargs["lr"]
-            group["lr"] = kwargs["lr"] * factor(s.last_epoch)
+        for group, options, factor in zip(self.optimizer.param_groups, built, s.lr_lambdas):
+            group.update(options)  # its peak, initial_lr, among them
+            group["lr"] = group["initial_lr"] * factor(s.last_epoch)
+        s.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         s._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------------ the loop

@@ -117,6 +117,15 @@ class Strategy:
     def load_optimizer_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
+    def name_groups(self, optim: dict) -> dict:
+        """`optim` (optimizer_state_dict's), each group naming its parameters (torch's param_names):
+        the numbering need not be the module's order (optim=muon's), and another layout reads it."""
+        name = {id(p): n for n, p in self.net.named_parameters()}
+        for group, params in zip(optim["param_groups"], self.numbered_parameters()):
+            group.pop("param_names", None)  # (one a loaded state brought: last, as in a fresh run's)
+            group["param_names"] = [name[id(p)] for p in params]
+        return optim
+
     def load_full_state_dict(self, state: dict) -> None:
         self.net.load_state_dict(state)
 

@@ -172,4 +172,5 @@ for _stage in (1, 2, 3):
                           "(optional: pip install -e '.[deepspeed]')", checkpoint="deepspeed", zero_stage=_stage,
                           messages="units" if _stage == 3 else "buckets",
                           collectives=ZERO3 if _stage == 3 else ZERO12,
-                          options=("bucket_cap_mb",), fp16=False, traces_comm=False, flat_optimizer_shards=True))
+                          options=("bucket_cap_mb",), fp16=False, traces_comm=False, flat_optimizer_shards=True,
+                          several_optimizers=False))

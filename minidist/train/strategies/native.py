@@ -177,11 +177,12 @@ register(StrategySpec("native_ddp", "native", NativeDDP, "torch.nn.parallel.Dist
 # of the whole model per step, counted in full for every rank as minidist.comm does.
 register(StrategySpec("native_zero1", "native", NativeZero1, "DistributedDataParallel + ZeroRedundancyOptimizer",
                       zero_stage=1, collectives=ALL_REDUCE + (Collective("broadcast"),),
-                      options=DDP_OPTIONS, choices=HOOKS, traces_comm=False))
+                      options=DDP_OPTIONS, choices=HOOKS, traces_comm=False, several_optimizers=False))
 register(StrategySpec("native_fsdp", "native", NativeFSDP, "torch.distributed.fsdp.fully_shard (FSDP2)",
                       zero_stage=3, messages="units", collectives=ZERO3, options=("min_unit_params", "accumulate"),
-                      choices=ACCUMULATE, checkpoint="dcp", traces_comm=False))
+                      choices=ACCUMULATE, checkpoint="dcp", traces_comm=False, several_optimizers=False))
 register(StrategySpec("native_hsdp", "native", NativeHSDP, "fully_shard on a 2-D DeviceMesh: FSDP2's HSDP",
                       zero_stage=3, hybrid=True, messages="units", choices=ACCUMULATE,
                       options=("min_unit_params", "shard_size", "accumulate"),
-                      collectives=in_shard_groups(ZERO3), checkpoint="dcp", traces_comm=False))
+                      collectives=in_shard_groups(ZERO3), checkpoint="dcp", traces_comm=False,
+                      several_optimizers=False))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 
 import torch
 
@@ -30,6 +29,7 @@ from minidist.comm.wire import FORMATS
 from minidist.measure import measure
 from minidist.parallel.diloco import DiLoCo
 from minidist.train.config import ConfigError
+from minidist.train.optim import merged_state_dicts, split_state_dict
 from minidist.train.strategies.base import Strategy, build_mesh
 from minidist.train.strategies.registry import (ACCUMULATE, ALL_REDUCE, Collective, StrategySpec, ZERO12, ZERO3,
                                                 in_shard_groups, register)
@@ -97,13 +97,17 @@ class ShardedModelState:
         return self.model.full_state_dict(rank0_only=True)
 
     def optimizer_state_dict(self):
-        return self.model.full_optim_state_dict(rank0_only=True)
+        """Each of model.optimizers' whole state (one, or optim=muon's two numbered on as one)."""
+        states = [self.model.full_optim_state_dict(o, rank0_only=True) for o in self.model.optimizers]
+        return merged_state_dicts(states) if states[0] else {}
 
     def load_full_state_dict(self, state):
         self.model.load_full_state_dict(state)
 
     def load_optimizer_state_dict(self, state):
-        self.model.load_full_optim_state_dict(state)
+        optimizers = self.model.optimizers
+        for o, part in zip(optimizers, split_state_dict(state, [len(o.param_groups) for o in optimizers])):
+            self.model.load_full_optim_state_dict(part, o)
 
     def numbered_parameters(self):
         """As a native optimizer over the module numbers them (full_optim_state_dict's form)."""
@@ -129,8 +133,8 @@ class OursZero(ShardedModelState, Strategy):
             kwargs["mesh"] = build_mesh(c)
         if stage == 3 and self.compute_dtype is not None:  # gathered in bf16, reduced in fp32
             kwargs.update(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=stage, **kwargs)
-        return model, model.optimizer
+        optimizer = optim_cls(net.parameters(), **optim_kwargs)  # adopted: its groups rebound to the shards
+        return ShardedDataParallel(net, optimizer, stage=stage, **kwargs), optimizer
 
     @property
     def shard_size(self) -> int | None:
@@ -300,7 +304,7 @@ class DiLoCoStrategy(Strategy):
         if self.worker_rank != 0:
             return {}
         return {"model": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.name_groups(self.optimizer.state_dict())}
 
     def load_worker_state(self, state: dict) -> None:
         """What worker_state saved, into this worker (each rank of a ZeRO worker keeps its slices)."""
@@ -327,9 +331,9 @@ class DiLoCoOverZero(ShardedModelState, DiLoCoStrategy):
             kwargs["min_unit_params"] = c.get("min_unit_params")
             if self.compute_dtype is not None:
                 kwargs.update(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        model = ShardedDataParallel(net, functools.partial(optim_cls, **optim_kwargs), stage=stage,
-                                    process_group=self.mesh.shard_group, **kwargs)
-        return model, model.optimizer
+        optimizer = optim_cls(net.parameters(), **optim_kwargs)
+        return ShardedDataParallel(net, optimizer, stage=stage, process_group=self.mesh.shard_group,
+                                   **kwargs), optimizer
 
     def _placement(self, model) -> dict:
         """DiLoCo works on each rank's master shards."""
@@ -341,7 +345,7 @@ class DiLoCoOverZero(ShardedModelState, DiLoCoStrategy):
         model, optim = self.full_state_dict(), self.optimizer_state_dict()
         if self.worker_rank != 0:
             return {}
-        return {"model": {k: v.detach().cpu() for k, v in model.items()}, "optimizer": optim}
+        return {"model": {k: v.detach().cpu() for k, v in model.items()}, "optimizer": self.name_groups(optim)}
 
     def memory_report(self):
         return with_outer_state(self.model.memory_report(), self.outer)

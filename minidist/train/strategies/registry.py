@@ -133,6 +133,9 @@ class StrategySpec:
     # Its optimizer steps flat slices cut across parameters (ZeRO's flat shards), so only an
     # element-wise optimizer class is exact there (minidist.parallel.shard_optimizer).
     flat_optimizer_shards: bool = False
+    # Takes several optimizers stepped as one (optim=muon: train/optim.py's CombinedOptimizer); torch's
+    # ZeroRedundancyOptimizer and fully_shard and DeepSpeed take one optimizer class over their partitions.
+    several_optimizers: bool = True
     # What a comparison checks it by: "parameters" (equal to its reference's within
     # compare.tolerance) or "loss" (its final loss within compare.loss_tolerance of its
     # reference's: an algorithm whose weights are not expected equal, such as DiLoCo's).
