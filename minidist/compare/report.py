@@ -1,55 +1,11 @@
-"""Named variants of a strategy in a comparison: the same strategy with other options, side by side.
-
-    python recipes/compare.py compare.strategies=[zero3,zero3_int8,native_fsdp]         '+compare.variants={zero3_int8: {of: zero3, param_wire: int8, grad_wire: int8}}'
-
-A variant runs as one more strategy: `of` says which (its spec, its YAML's defaults), the rest
-overrides its options. Its reference is its `of` when that runs too (the uncompressed twin),
-else the reference `of` would have.
-
-A run that sends a compressed wire (grad_wire, param_wire or outer_wire set) cannot end with its
-reference's parameters: every step rounds what travels. It is checked by the loss instead:
-its final training loss within compare.loss_tolerance (relative) of its reference's.
-
-Bytes each rank should send per optimizer step, by op, under the ring model (fp32 gradients):
-each strategy's spec declares its collectives (minidist/train/strategies/registry.py), this reads them.
-
-Ψ parameters of 4 bytes, n ranks; one optimizer step without accumulation:
-
-| strategy                 | all_reduce     | reduce_scatter | all_gather         | broadcast |
-| ddp, native_ddp          | 2(n-1)/n · 4Ψ  |                |                    |           |
-| native_zero1             | 2(n-1)/n · 4Ψ  |                |                    | 4Ψ        |
-| zero1, zero2, ds_zero1/2 |                | (n-1)/n · 4Ψ   | (n-1)/n · 4Ψ       |           |
-| zero3, native_fsdp, ds_zero3 |            | (n-1)/n · 4Ψ   | 2 · (n-1)/n · 4Ψ   |           |
-
-Hybrid strategies on a mesh of R replicas x S shard ranks (n = R S): within the shard group
-as ZeRO on S ranks, plus the all_reduce of each rank's 1/S across the R replicas:
-
-| hsdp2, ddp_hierarchical  | 2(R-1)/R · 4Ψ/S | (S-1)/S · 4Ψ  | (S-1)/S · 4Ψ       |           |
-| hsdp3, native_hsdp       | 2(R-1)/R · 4Ψ/S | (S-1)/S · 4Ψ  | 2 · (S-1)/S · 4Ψ   |           |
-
-(ZeroRedundancyOptimizer broadcasts each parameter from the rank that updated it: one
-broadcast of S bytes per parameter, counted S for every rank as minidist.comm does.)
-The small all_reduce of the gradient norm for clipping is left out.
-
-From a comparison's raw results to its report: rows, verdicts and the files in the run directory.
+"""From a comparison's raw results to its report: rows, verdicts, and the files and plots in the
+run directory. docs/compare.md says what each file holds, how a strategy's reference and a named
+variant's are chosen and checked, and the bytes per step the theory column comes from (each
+strategy's spec declares its collectives: minidist/train/strategies/registry.py).
 
     rows = build_rows(results, cfg.compare)        # one row per strategy, with its reference
     write_outputs(results, rows, run_dir)          # report.md, results.csv/json, losses.csv, TensorBoard
     failed = regressions(rows)                     # minidist strategies off their reference
-
-A minidist strategy is checked against its reference: its spec's (for example zero3 against
-torch's fully_shard), or compare.references[name] when given. When that reference is not in
-the run, the registry's stand-in (torch's DDP) is used when present (every strategy trains the
-same model on the same data, so all should agree). The check: the largest absolute
-difference of any final parameter or buffer <= compare.tolerance.
-
-PNG plots of a comparison (matplotlib, no display needed).
-
-    loss.png          per-step training loss of every strategy, overlaid
-    step_time.png     each strategy's step times: median bar, min-max whisker, every step as a dot
-    memory.png        model state per category (stacked) and the peak, per rank
-    bytes_per_op.png  bytes sent per step per op, measured beside the theory
-    timeline_S.png    one step of strategy S: per rank a phase lane, a compute lane, a communication lane
 """
 
 from __future__ import annotations
