@@ -330,7 +330,7 @@ def gradient_bytes_between_backwards(stage: int, sync_each: bool) -> tuple[int, 
         with contextlib.nullcontext() if sync_each or k == 3 else model.no_sync():
             (GPT.loss(model(x[k]), x[k]) / 4).backward()
         if k < 3:
-            held.append(live_tensor_bytes() - before)
+            held.append(live_tensor_bytes(collect=False) - before)
     return psi, dist.get_world_size(), held
 
 
