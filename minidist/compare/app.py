@@ -219,7 +219,6 @@ def _compare(cfg, ctx) -> dict | None:
     }
 
 
-
 def check_strategies(cfg) -> None:
     """The strategies list itself: known names, no repeats, DeepSpeed installed when asked for."""
     names = list(cfg.compare.strategies)
@@ -314,7 +313,6 @@ def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
 
 def _rank_main(cfg_dict: dict, run_dir: str, command: str) -> int | None:
     """One rank: compare, then rank 0 writes the report and returns the status (None elsewhere)."""
-
     results = compare_rank(cfg_dict, run_dir)
     if results is None:
         return None

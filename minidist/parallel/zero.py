@@ -238,12 +238,12 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._grad_placeholders = GradientPlaceholders(self._names, self._params, self.stage, self._owned_grad,
                                                        self.process_group, joined=lambda: self._join is not None)
         ModuleStateHooks(self)
-        names = {id(p): n for n, p in plain_module(self.module).named_parameters()}
+        self._name_of = {id(p): n for n, p in plain_module(self.module).named_parameters()}  # (DCP's keys)
         place = {"rank": self.rank, "ranks": self.world_size, "stage": self.stage}
         ends = [g0 for _, g0 in self._optimizer_spans[1:]] + [len(self._full_groups)]
         self._found_infs = [FoundInfAgreement(self._shards[0].device, {s.master.dtype for s in self._shards},
                                               self.dp_group) for _ in ends]
-        self._shard_optimizers = [ShardOptimizer(given, self._shards, self._full_groups[g0:g1], names, place,
+        self._shard_optimizers = [ShardOptimizer(given, self._shards, self._full_groups[g0:g1], self._name_of, place,
                                                  extra_param=found_inf.param, first_group=g0)
                                   for ((given, g0), g1, found_inf) in zip(self._optimizer_spans, ends, self._found_infs)]
         self.optimizers = [so.optimizer for so in self._shard_optimizers]  # one, or several (Muon + AdamW)
@@ -450,7 +450,6 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             for k, per_group in own_scalars.items():
                 scalars.setdefault(k, []).extend(per_group)
         shapes = {slot.name: slot.shape for s in self._shards for slot in s.slots}
-        name_of = {id(p): n for n, p in plain_module(self.module).named_parameters()}
         groups = [g for o in self.optimizers for g in o.param_groups]
         return {
             "format": CHECKPOINT_FORMAT, "world_size": self.world_size, "rank": self.rank, "stage": self.stage,
@@ -458,7 +457,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
             "mesh": None if self.mesh is None else [self.mesh.replicate, self.mesh.shard],
             "shapes": shapes, "params": params, "optim": optim, "optim_scalars": scalars,
             "param_groups": [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-                              "param_names": [name_of[id(p)] for p in full]}  # (another layout reads them)
+                              "param_names": [self._name_of[id(p)] for p in full]}  # (another layout reads them)
                              for g, full in zip(groups, self._full_groups)],
             "replicated": {k: v.detach().clone() for k, v in self.module.state_dict(keep_vars=True).items()
                            if not any(v is p for p in self._params)},

@@ -81,9 +81,10 @@ def merged_state_dicts(states: list[dict]) -> dict:
     return merged
 
 
-def split_state_dict(state: dict, group_counts: list[int]) -> list[dict]:
-    """merged_state_dicts' inverse: one state_dict per optimizer, the first holding
-    group_counts[0] groups, and so on, each numbered from 0."""
+def split_state_dict(state: dict, optimizers: list[torch.optim.Optimizer]) -> list[dict]:
+    """merged_state_dicts' inverse: one state_dict per optimizer, each holding as many groups as
+    that optimizer has, numbered from 0."""
+    group_counts = [len(o.param_groups) for o in optimizers]
     if sum(group_counts) != len(state["param_groups"]):
         raise ValueError(f"the optimizer state holds {len(state['param_groups'])} param groups, these optimizers "
                          f"{sum(group_counts)} ({' + '.join(map(str, group_counts))}): it was saved from others")
@@ -123,8 +124,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return merged_state_dicts([o.state_dict() for o in self.optimizers])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        counts = [len(o.param_groups) for o in self.optimizers]
-        for o, part in zip(self.optimizers, split_state_dict(state_dict, counts)):
+        for o, part in zip(self.optimizers, split_state_dict(state_dict, self.optimizers)):
             o.load_state_dict(part)
 
 

@@ -106,7 +106,7 @@ class ShardedModelState:
 
     def load_optimizer_state_dict(self, state):
         optimizers = self.model.optimizers
-        for o, part in zip(optimizers, split_state_dict(state, [len(o.param_groups) for o in optimizers])):
+        for o, part in zip(optimizers, split_state_dict(state, optimizers)):
             self.model.load_full_optim_state_dict(part, o)
 
     def numbered_parameters(self):
