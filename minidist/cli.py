@@ -21,7 +21,7 @@ MOVED = {"tour": "the primitives tour is reading material in the repository now:
 # command -> (its module, whose main(argv, prog) runs it; what it does)
 COMMANDS = {
     "train": ("minidist.train.app", "train a model with any strategy (Hydra overrides: strategy=zero3 ...)"),
-    "compare": ("minidist.compare.app", "several strategies side by side, against native PyTorch and DeepSpeed"),
+    "compare": ("minidist_tools.compare", "several strategies side by side, against native PyTorch and DeepSpeed"),
     "checkpoint": ("minidist.train.checkpoint", "info CKPT | consolidate CKPT OUT.pt"),
 }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from minidist.benchmarking import paired_ratio, write_json
+from minidist_tools.benchmarking import paired_ratio, write_json
 from minidist.train.app import hydra_app
 
 ROOT = Path(__file__).resolve().parent.parent

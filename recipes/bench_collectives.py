@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import require_known, slowest
+from minidist_tools.benchmarking import require_known, slowest
 from minidist.train.app import run_recipe
 from minidist.train.app import hydra_app
 

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
+from minidist_tools.benchmarking import paired_ratio, require_known, rotated, slowest, write_json
 from minidist.train.app import run_recipe
 from minidist.train.models import GPT, count_parameters
 from minidist.train.app import hydra_app

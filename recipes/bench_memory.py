@@ -28,7 +28,7 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from minidist.benchmarking import require_known, write_json
+from minidist_tools.benchmarking import require_known, write_json
 from minidist.train.app import hydra_app, run_local
 from minidist.train.strategies import split_variant
 

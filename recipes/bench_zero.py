@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, paired_ratio, require_known, rotated, slowest, write_json
+from minidist_tools.benchmarking import PeakSampler, paired_ratio, require_known, rotated, slowest, write_json
 from minidist.train.app import run_recipe
 from minidist.measure import live_tensor_bytes
 from minidist.train.models import GPT

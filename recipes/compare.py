@@ -10,14 +10,14 @@ interleaved (a rotating order each step) so machine noise hits all alike. The ru
 directory (outputs/compare/DATE/TIME, or hydra.run.dir) receives report.md, results.csv,
 results.json, losses.csv, TensorBoard runs (one per strategy) and PNG plots.
 
-Once installed, the same is `minidist compare ...` (minidist/compare/app.py).
+Once installed, the same is `minidist compare ...` (minidist_tools/compare.py).
 
 Exit status: 0; 1 when a minidist strategy's final parameters differ from its
 reference's by more than compare.tolerance (a regression check for CI); 2 for a
 config error (one line saying what and how to fix it).
 """
 
-from minidist.compare.app import main
+from minidist_tools.compare import main
 
 if __name__ == "__main__":
     main(prog="python recipes/compare.py")

@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import slowest
+from minidist_tools.benchmarking import slowest
 from minidist.train.app import run_recipe
 from minidist.train.app import hydra_app
 from minidist.train.models import GPT

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import slowest
+from minidist_tools.benchmarking import slowest
 from minidist.comm import ring
 from minidist.comm.wire import Wire
 

@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import variant_spec  # noqa: E402
-from minidist.compare.report import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
-from minidist.compare.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
+from minidist_tools.benchmarking import variant_spec  # noqa: E402
+from minidist_tools.report import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
+from minidist_tools.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 import diloco_doc  # noqa: E402

@@ -25,11 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.benchmarking import variant_spec  # noqa: E402
+from minidist_tools.benchmarking import variant_spec  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 from doc_pipeline import Document, load as load_record, main, provenance, record, run_recipe  # noqa: E402
 from minidist.comm import RING_WINS_FROM  # noqa: E402
-from minidist.compare.report import markdown_table, speed_verdict  # noqa: E402
+from minidist_tools.report import markdown_table, speed_verdict  # noqa: E402
 sys.path.insert(0, str(ROOT / "recipes"))
 from bench_memory import formula_bytes, target_bytes  # noqa: E402
 

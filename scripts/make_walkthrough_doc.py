@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 from doc_pipeline import Document, load, main, provenance, record, run_recipe  # noqa: E402
-from minidist.compare.report import markdown_table  # noqa: E402
+from minidist_tools.report import markdown_table  # noqa: E402
 
 OUT = ROOT / "outputs" / "walkthrough_doc"
 DOC = ROOT / "docs" / "walkthrough.md"

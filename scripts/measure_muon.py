@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from doc_pipeline import provenance, record
 
-    from minidist.benchmarking import paired_ratio
+    from minidist_tools.benchmarking import paired_ratio
     from minidist.train.app import run_local
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)

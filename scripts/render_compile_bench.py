@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from minidist.benchmarking import variant_spec  # noqa: E402
+from minidist_tools.benchmarking import variant_spec  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 from doc_pipeline import Document, load, main, run_recipe  # noqa: E402
 

@@ -52,7 +52,7 @@ def test_every_data_file_says_where_it_came_from():
 
 
 def test_a_target_is_met_only_when_the_whole_interval_is_under_it():
-    from minidist.compare.report import speed_verdict
+    from minidist_tools.report import speed_verdict
     row = {"time_ratio": 0.99}
     assert speed_verdict({**row, "time_ratio_ci": [0.97, 1.00]}) == "met"
     assert speed_verdict({**row, "time_ratio_ci": [0.97, 1.004]}).startswith("undecided")  # no rounding first

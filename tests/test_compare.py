@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from minidist.compare.report import max_state_difference, reference_for
-from minidist.compare.report import theoretical_bytes
+from minidist_tools.report import max_state_difference, reference_for
+from minidist_tools.report import theoretical_bytes
 from minidist.profiling import analyse, call_payload, intersect, length, merge, subtract
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,7 +117,7 @@ def test_compare_exits_1_when_ours_differs(tmp_path):
 ])
 def test_config_errors_exit_2_with_one_line(tmp_path, override, message, capsys):
     """recipes/compare.py's main, in this process: the checks come before any rank starts."""
-    from minidist.compare.app import main
+    from minidist_tools.compare import main
 
     run_dir, saved = tmp_path / "run", sys.argv[:]
     try:
@@ -142,7 +142,7 @@ def test_config_errors_exit_2_with_one_line(tmp_path, override, message, capsys)
 def test_strategy_list_checks(override, message):
     from hydra import compose, initialize_config_dir
 
-    from minidist.compare.app import check_strategies
+    from minidist_tools.compare import check_strategies
     from minidist.train.config import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -180,7 +180,7 @@ def test_interval_arithmetic():
 
 
 def test_memory_table_shows_every_part_a_row_holds():
-    from minidist.compare.report import memory_table
+    from minidist_tools.report import memory_table
 
     mib = 2**20
     rows = {"zero3": {"strategy": "zero3", "peak_bytes": 20 * mib, "model_state_bytes": {
@@ -296,8 +296,8 @@ def test_variant_checks(override, message):
 
 
 def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
-    from minidist.compare.report import reference_of
-    from minidist.compare.report import base_of, compressed
+    from minidist_tools.report import reference_of
+    from minidist_tools.report import base_of, compressed
     from minidist.train.strategies import spec
 
     variants = {"zero3_int8": {"of": "zero3", "grad_wire": "int8"}}

@@ -72,7 +72,7 @@ def test_example_strategy_trains_checkpoints_resumes_and_consolidates(ranks, tmp
 # slow (19 s, two ranks started for it): `make test-all` runs it; in `make test`, the example trains above.
 @pytest.mark.slow(stand_in="test_example_strategy_trains_checkpoints_resumes_and_consolidates")
 def test_example_strategy_takes_part_in_a_comparison(tmp_path):
-    from minidist.compare.app import check_strategies, launch
+    from minidist_tools.compare import check_strategies, launch
     from minidist.train.strategies import strategy_options
 
     from hydra import compose, initialize_config_dir

@@ -221,7 +221,7 @@ def test_a_mistyped_override_is_one_line_naming_the_closest_valid_names(capsys, 
 def test_every_recipe_says_a_mistyped_override_in_one_line(capsys, monkeypatch):
     from hydra.errors import ConfigCompositionException
 
-    from minidist.compare.app import main as compare
+    from minidist_tools.compare import main as compare
     from tutorial.tour import main as tour
 
     mains = {"compare": compare, "tour": tour, **{name: recipe_main(name) for name in (

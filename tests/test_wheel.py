@@ -24,7 +24,7 @@ def test_an_installed_wheel_trains_under_torchrun_and_reads_its_checkpoint(tmp_p
     # What the repository holds for the build, copied: building leaves build/ and egg-info beside it.
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md"):
         shutil.copy(ROOT / name, source / name) if source.is_dir() or source.mkdir() is None else None
-    for folder in ("minidist", "configs"):
+    for folder in ("minidist", "minidist_tools", "configs"):
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "_configs"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PIP_NO_INDEX": "1"}  # no network: nothing is downloaded
     built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels),
@@ -38,6 +38,7 @@ def test_an_installed_wheel_trains_under_torchrun_and_reads_its_checkpoint(tmp_p
     where = run([sys.executable, "-c", "import minidist; print(minidist.__file__)"], cwd=work, env=env)
     assert where.stdout.strip().startswith(str(site)), where.stdout + where.stderr  # the wheel's, not the checkout's
     assert (site / "minidist" / "_configs" / "strategy" / "zero2.yaml").is_file()
+    assert (site / "minidist_tools" / "compare.py").is_file()  # `minidist compare` runs from the wheel too
 
     overrides = [*TINY_GPT, *[o for o in TINY if not o.startswith("strategy.")], "trainer.max_steps=5",
                  "strategy=zero2", "hydra.run.dir=run"]

@@ -51,8 +51,8 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist.benchmarking import PeakSampler, rotated, slowest
-from minidist.compare.report import base_of
+from minidist_tools.benchmarking import PeakSampler, rotated, slowest
+from minidist_tools.report import base_of
 from minidist.dist import launch_rank
 from minidist.measure import live_tensor_bytes
 from minidist.profiling import record_step
@@ -272,8 +272,8 @@ def validate_each(cfg, world_size: int, run_dir: Path) -> None:
 
 def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
     """Rank 0's (or the launching process's) last part: every output, the console table, the status."""
-    from minidist.compare.report import all_plots
-    from minidist.compare.report import (build_rows, console_table, environment_info, regressions, targets_lines,
+    from minidist_tools.report import all_plots
+    from minidist_tools.report import (build_rows, console_table, environment_info, regressions, targets_lines,
                                          write_outputs)
     from minidist.profiling import write_chrome_trace
 
@@ -348,7 +348,7 @@ def strategy_options(name: str, compare_cfg):
     from hydra import compose
     from omegaconf import OmegaConf
 
-    from minidist.compare.report import base_of, variant_options
+    from minidist_tools.report import base_of, variant_options
 
     variants = compare_cfg.get("variants") or {}
     options = compose(config_name="train", overrides=[f"strategy={base_of(name, variants)}"]).strategy

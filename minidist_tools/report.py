@@ -18,7 +18,7 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from minidist.benchmarking import bootstrap_median_ci
+from minidist_tools.benchmarking import bootstrap_median_ci
 from minidist.train.strategies import reference_for, spec
 
 
