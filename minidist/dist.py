@@ -1,25 +1,11 @@
-"""Process-group runtime: one call that works under torchrun, SLURM or a plain `python`.
+"""Process-group runtime: one call that works under torchrun, SLURM or a plain `python`, and the 2-D
+mesh of hybrid sharding (replicate across hosts x shard within a host).
 
-    ctx = minidist.init_distributed()      # reads the launcher's environment
-    print0(f"world size {ctx.world_size}") # prints on rank 0 only
-    minidist.shutdown()
+    ctx = minidist.init_distributed()                  # reads the launcher's environment
+    mesh = minidist.init_mesh(replicate=2, shard=4)    # 8 ranks: 2 hosts of 4
+    print0(f"world size {ctx.world_size}"); minidist.shutdown()
 
-The environment parsing is a pure function (`detect_launch`) so tests can feed it
-fake torchrun / SLURM environments without starting anything.
-
-A 2-D mesh of ranks for hybrid sharding: replicate across hosts x shard within a host.
-
-    mesh = minidist.init_mesh(replicate=2, shard=4)   # 8 ranks: 2 hosts of 4
-    print(mesh)
-    # Mesh(replicate=2 x shard=4): shard groups (within a host) [0-3] [4-7];
-    #   replicate groups (across hosts) [0,4] [1,5] [2,6] [3,7]; rank 5 = replica 1, shard 1
-    model = minidist.ShardedDataParallel(net, opt, stage=3, mesh=mesh)   # HSDP
-
-Rank r sits at (replica r // S, shard r % S): a shard group is S contiguous ranks, which
-is one host (or a whole number of them, or an even part of one) under torchrun and
-SLURM, whose ranks are numbered host by host. A replicate group holds the ranks with the
-same shard index, one per shard group: its traffic is what crosses hosts.
-
+How ranks sit on the mesh: docs/internals.md, "dist.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""Device-true timing behind one interface: CUDA events on CUDA, the host clock elsewhere.
+"""Measuring, below everything else: device-true time (Span: CUDA events on CUDA, the host clock
+elsewhere, read only when asked), memory from live storages (a shared storage counted once), and
+communication (CommTracer: every minidist.comm call leaves a CommRecord).
 
-On a GPU the host only enqueues work: `time.perf_counter()` around a step measures how fast
-Python issued it, and around an NCCL `wait()` (which makes the current stream wait and returns
-at once) it reads ~0. A `Span` measures on the clock where the work happens — CUDA events on
-the current stream for a CUDA device, `perf_counter` otherwise — and is read only when asked
-(`seconds()`), so timing a step costs no host synchronisation until the figure is logged.
-
-    span = Span(device).start()
-    ...                          # the step
-    span.stop()
-    ...                          # later, at a log step
-    span.seconds()               # waits for the end event on CUDA; plain arithmetic on CPU
-
-Measure memory from live tensors' storages, counting a shared storage once.
-
+    span = Span(device).start(); ...; span.stop(); span.seconds()
     report = measure({"parameters": params, "gradients": grads, "comm_buffers": buckets})
+    with CommTracer() as tracer: loss.backward()
 
-A storage is charged to the first category (in dict order) that references it:
-with gradient_as_bucket_view the gradients *are* the buckets, and the report
-shows that as zero extra bytes of communication buffers.
-
-Count communication: every minidist.comm call, while a CommTracer is active, leaves a CommRecord
-(its payload, the bytes this rank sends under the ring model, how long the caller was blocked).
-
-    with CommTracer() as tracer:
-        loss.backward()
-    print(tracer.format_summary())
+Why each is measured so: docs/internals.md, "measure.py".
 """
 
 from __future__ import annotations

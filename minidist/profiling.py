@@ -1,26 +1,11 @@
-"""Profiling one training step, below both the trainer and the comparison tools that use it.
-
-One training step as a timeline: what each rank computes and communicates, and when.
+"""One training step as a timeline: what each rank computes and communicates, and when, from
+torch.profiler and our ring's own spans; and that timeline drawn as a PNG.
 
     trace = record_step(lambda: replica.step(batches), world_size)   # on every rank
     trace["hidden_fraction"], trace["bytes"]                          # this rank's figures
     write_chrome_trace({rank: trace, ...}, "timeline.json")           # open in Perfetto
 
-Sources, all measured in the step itself:
-- torch.profiler: the step's phases (the "minidist.forward/backward/optimizer" ranges of
-  minidist/train/optim.py), every aten op on the training thread (compute), every
-  collective the backend ran ("gloo:all_reduce" ... on gloo's threads, from start to end),
-  and each collective call with its tensors' shapes (`c10d::allreduce_` ...: the bytes).
-- our send/recv ring collectives run on a Python thread the profiler does not see: they
-  report their spans through minidist.comm.ring.span_listeners, and their bytes through
-  the CommTracer.
-
-Communication is *hidden* where it overlaps compute on the training thread; the rest is
-exposed. Times are seconds from the start of the step on each rank's own clock.
-
-One profiled step drawn as a PNG: per rank a phase lane (forward, backward, optimizer), a
-compute lane and a communication lane (matplotlib, no display needed). Used by the trainer's
-`trainer.timeline_step`, the comparison's `compare.timeline=true` and the walkthrough.
+Sources and what "hidden" means: docs/internals.md, "profiling.py".
 """
 
 from __future__ import annotations

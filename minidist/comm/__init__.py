@@ -1,24 +1,9 @@
-"""The one module that calls torch.distributed collectives; everything else goes through it.
+"""The one module that calls torch.distributed collectives; everything else goes through it, so
+CommTracer (minidist.measure) sees and measures all communication.
 
-Each wrapper mirrors torch.distributed's call (global ranks for src/dst) and takes
-`async_op`: synchronous calls return None, asynchronous ones a `Handle` whose
-`wait()` blocks until that one operation is done.
-
-Funnelling every call through here buys one thing: `CommTracer` (minidist.measure) sees all
-communication, so claims such as "DDP moves 2(n-1)/n of the gradient bytes per
-rank" are measured, not computed from formulas.
-
-all_reduce, all_gather_into and reduce_scatter_tensor also take `wire_dtype`: what travels
-(bf16, fp16 or block-scaled int8), summed in full precision on the receiving rank (fp64, rounded
-once: wire.py); the tracer
-records the wire's bytes. And `algorithm`:
-"backend" (torch.distributed's), "ring" (ours, built from isend/irecv: ring.py) or
-"auto" (the ring where it measurably beats the backend — gloo's reduce_scatter and
-all_gather — the backend elsewhere). Either way the call is traced once.
-
-    with CommTracer() as tracer:
-        loss.backward()
-    print(tracer.format_summary())
+Each wrapper mirrors torch.distributed's call and takes `async_op` (a `Handle` with `wait()`),
+`wire_dtype` (what travels: wire.py) and `algorithm` ("backend", "ring": ring.py, or "auto").
+Details: docs/internals.md, "comm/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
-"""Ring collectives built from isend/irecv: reduce_scatter, all_gather and all_reduce.
-
-The n ranks form a ring (rank r sends to r+1, receives from r-1). A flat buffer of
-n chunks moves around it in n-1 steps:
-
-    reduce_scatter  step s: send the partial sum of chunk (r-s-1) mod n, receive the
-                    partial sum of chunk (r-s-2) mod n and add this rank's own piece of
-                    it. After n-1 steps rank r holds chunk r summed over every rank.
-    all_gather      step s: pass on chunk (r-s) mod n, receive chunk (r-s-1) mod n.
-    all_reduce      reduce_scatter, then all_gather (on a buffer padded to n chunks).
-
-Each rank sends (n-1)/n of the buffer per phase: the bandwidth-optimal amount, the
-same as the ring model the tracer uses. Chunks are cut into pieces (`piece_bytes`)
-whose transfers are all in flight at once, so adding piece j overlaps receiving j+1.
-Small chunks are latency-bound, and n-1 sequential steps cost n-1 waits: below
-DIRECT_BELOW_BYTES the same bytes go in one step instead, each chunk straight to the
-rank that needs it (and the sum is still taken in the ring's order).
-
-Reduction order (what makes a float sum reproducible): chunk c is summed starting at
-rank c+1 and going round the ring, ((x[c+1] + x[c+2]) + ...) + x[c]; the result is
-bitwise what that left-to-right sum gives, which tests check. The backend may add in
-another order, so ring and backend sums agree to rounding, not bitwise.
-
-Every call runs on one worker thread per process, in the order it was issued (so the
-order is the same on every rank, and a synchronous call never overtakes an asynchronous
-one still in flight); a RingWork's wait() returns when the whole collective is done. Messages use a tag of their own, so they never match a
-user's send/recv on the same group.
+"""Ring collectives built from isend/irecv: reduce_scatter, all_gather and all_reduce, each rank
+sending the bandwidth-optimal (n-1)/n of the buffer per phase, summed in a fixed, reproducible
+order, on one worker thread per process in issue order. The algorithm and the order of the sum:
+docs/internals.md, "comm/ring.py".
 """
 
 from __future__ import annotations

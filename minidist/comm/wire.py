@@ -1,32 +1,10 @@
-"""Low-precision wires with full-precision accumulation: what travels is not what is summed.
-
-A ring reduce_scatter on bf16 tensors rounds every partial sum to bf16 at every hop, so its
-error grows with the number of ranks (what FSDP2's reduce_dtype=bf16 does on NCCL). Here each
-rank's input is rounded to the wire format once, every chunk goes straight to the rank that
-owns it (an all-to-all: the same (n-1)/n bytes per rank as a ring reduce_scatter), and the
-owner decodes the n chunks and sums them in full precision (fp64 accumulation, one rounding
-to the output's dtype). The result is the exact sum of the wire-rounded inputs, rounded once:
-its error does not grow with the number of ranks.
+"""Low-precision wires with full-precision accumulation: what travels (bf16, fp16, block-scaled
+int8) is not what is summed (fp64, rounded once), so the error does not grow with the ranks.
 
     comm.reduce_scatter_tensor(out, flat, wire_dtype=torch.bfloat16)   # fp32 in and out
     comm.all_gather_into(full, mine, wire_dtype="int8")                # block-int8 on the wire
-    comm.all_reduce(t, wire_dtype=Wire("int8", block=128))
 
-Formats (`Wire.name`):
-    bf16, fp16  the tensor cast to that dtype (2 bytes an element)
-    int8        per-block absmax scaling: each block of `block` elements (256 by default, as
-                ZeRO++'s qwZ / qgZ) travels as int8 values q = round(x / s), s = absmax / 127,
-                with its fp32 scale s beside it (1 + 4/block bytes an element). Non-finite
-                values stay non-finite (the block decodes to nan / inf), so GradScaler still
-                sees an overflow.
-
-Every rank's chunk is decoded from the wire, its own included, so the ranks agree bitwise on
-what an all_gather or all_reduce delivers. all_reduce = the reduce_scatter above, then the
-summed chunk rounded to the wire once more and all_gathered.
-
-On gloo with CPU tensors the exchange is our send/recv (ring.py's worker thread, in issue
-order with the other ring calls); elsewhere (NCCL) the backend's all_to_all / all_gather
-carries the packed bytes and the decoding runs at wait().
+The formats and the exchange: docs/internals.md, "comm/wire.py".
 """
 
 from __future__ import annotations

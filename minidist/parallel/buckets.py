@@ -1,19 +1,12 @@
-"""Buckets, the core of DataParallel and ZeRO 1-2: flat buffers and bucket plans, and their collectives
-launched in index order from backward hooks.
-
-One collective per tensor pays a fixed cost per call; one for the whole model cannot start until
-the last gradient exists. Buckets sit between: gradients are packed, in the order backward makes
-them, into flat buffers of bounded size, each reduced as soon as it is full. The schedule:
+"""Buckets, the core of DataParallel and ZeRO 1-2: gradients packed, in the order backward makes
+them, into flat buffers of bounded size, each reduced as soon as it is full, strictly in bucket
+order on every rank.
 
     hook per parameter --> its gradient goes into its bucket slot (fill_slot)
-    bucket complete    --> launched, strictly in bucket order (launch -> handle)
-    backward finished  --> autograd-engine callback: launch what is left, wait for
-                           every bucket, hand the results over (after_backward)
+    bucket complete    --> launched, in bucket order (launch -> handle)
+    backward finished  --> engine callback: launch what is left, wait, hand over (after_backward)
 
-A model *has* a BucketedBackward: the model says *what* happens to a bucket (all_reduce,
-reduce_scatter, ...) through `BucketReducer`'s methods; the BucketedBackward decides *when*, and
-owns the state of the backward in progress. Launching in bucket order on every rank keeps the
-collectives lined up even when gradients become ready in another order on each rank.
+The model says *what* happens to a bucket (BucketReducer); BucketedBackward decides *when*.
 """
 
 from __future__ import annotations

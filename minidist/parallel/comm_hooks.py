@@ -1,33 +1,11 @@
-"""DataParallel's extras for the bytes a bucket sends: communication hooks and PowerSGD.
-
-Gradient communication hooks for DataParallel: how one bucket gets reduced.
-
-A hook takes a `Bucket` whose `buffer` holds this rank's gradients already divided
-by the world size, starts the reduction, and returns an object with `wait()`.
-When `wait()` returns, `bucket.buffer` must hold the averaged gradients.
+"""DataParallel's communication hooks (how one bucket is reduced) and PowerSGD (Vogels et al.,
+2019), a hook that sends a rank-r approximation of each gradient matrix with error feedback.
 
     model = DataParallel(net, comm_hook=bf16_compress_hook)
-
-PowerSGD gradient compression (Vogels et al., 2019) as a DataParallel comm hook.
-
     model = DataParallel(net, comm_hook=PowerSGD(rank=4))
 
-Each gradient matrix M (a parameter reshaped to rows x cols) is replaced by a rank-r
-approximation P Q^T found with one step of power iteration, so a rank sends
-r (rows + cols) numbers instead of rows x cols:
-
-    M += error                      error feedback: what compression lost last time
-    P = M Q;   all_reduce(P);  P = orthonormalise(P)
-    Q = M^T P; all_reduce(Q)
-    M_hat = P Q^T;  error = M - M_hat / world
-
-The bucket already holds grad / world_size, so the all_reduced P and Q are those of
-the average, and M_hat approximates the average gradient; this rank's error is kept at
-the bucket's scale (hence M_hat / world), as torch's powerSGD_hook keeps it at the
-gradient's. Q is kept between steps (warm start), which is what makes one power
-iteration enough. Vectors (biases, norms) and matrices too small to gain are
-all_reduced uncompressed, in one flat message per bucket. The first
-`start_iter` steps are plain all_reduce (compression hurts most early).
+A hook takes a `Bucket` holding grad / world_size and returns an object whose `wait()` leaves the
+average in `bucket.buffer`. PowerSGD's algorithm: docs/internals.md, "parallel/comm_hooks.py".
 """
 
 from __future__ import annotations

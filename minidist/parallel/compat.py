@@ -1,21 +1,7 @@
-"""What the wrappers share with native PyTorch's ways, in one place: the native DDP and FSDP2 arguments they
-accept, communication kept out of torch.compile's graphs, and native DDP's buffer broadcast rule.
-
-The arguments GPU scripts pass to native DDP and FSDP2 (device_ids, static_graph, init_sync,
-mp_policy, reshard_after_forward, ...) each have a meaning here or are refused naming why, never
-a bare TypeError and never ignored where ignoring them would change the result (the list:
-docs/drop_in.md, "Native arguments").
-
-`eager`: the wrappers' hooks wait for collectives, resize storages and register autograd hooks.
-Traced by dynamo, such a hook is folded into the graph or dropped, and a dropped `Work.wait()`
-lets a compiled forward read a parameter before its all_gather has landed. So every function that
-talks to the communication layer from inside a forward is `eager`: dynamo breaks the graph there
-and runs it as plain Python; the layers between the breaks are still compiled.
-
-Buffers (BatchNorm statistics): forward updates them from each rank's own batch, so they drift.
-Native DDP's rule, ours too: broadcast the source rank's buffers before a forward whose previous
-forward synchronised (recorded gradients outside no_sync), and before the first: once per
-optimizer step under accumulation (`require_forward_param_sync` in torch's distributed.py).
+"""What the wrappers share with native PyTorch's ways: the native DDP and FSDP2 arguments they accept
+(each given a meaning or refused naming why: docs/drop_in.md, "Native arguments"), communication
+kept out of torch.compile's graphs (`eager`), and native DDP's buffer broadcast rule. Why:
+docs/internals.md, "parallel/compat.py".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """minidist.DataParallel: PyTorch DDP's algorithm, from collectives and autograd hooks.
 
     model = DataParallel(net)            # checks all ranks agree, broadcasts rank 0's weights
-    loss = loss_fn(model(x), y)
-    loss.backward()                      # returns with every .grad averaged over ranks
+    loss_fn(model(x), y).backward()      # returns with every .grad averaged over ranks
     opt.step()
 
-Gradients are packed in reverse registration order into buckets (the first and last small:
-communication starts early, little is left after backward); a post-accumulate-grad hook per
-parameter marks it ready, a complete bucket is filled with grad / N and all_reduced
-asynchronously, strictly in bucket order (so collectives line up across ranks), while backward
-goes on (buckets.py); a callback on the autograd engine waits for them and writes the averages
-to `.grad`. After the first iteration the buckets follow the order gradients arrived in (rank 0's,
-broadcast). On CUDA, ProcessGroupNCCL orders each collective after the work queued on the current
-stream and `wait()` makes the stream wait for it, so no kernel reads a bucket before its reduction.
+A post-accumulate-grad hook per parameter marks it ready; a complete bucket (buckets.py) is
+all_reduced asynchronously while backward goes on. The walk of one gradient: docs/internals.md,
+"parallel/ddp.py".
 """
 
 from __future__ import annotations

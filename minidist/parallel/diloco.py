@@ -2,28 +2,12 @@
 (what each setting does, and the proofs: docs/multinode.md, "Across slow links: DiLoCo").
 
     outer = minidist.DiLoCo(net.parameters(), sync_every=8, outer_lr=0.5, outer_momentum=0.5)
-    for x, y in batches:                      # each worker (a rank, or a host's ranks under DDP) its own
+    for x, y in batches:                      # each worker (a rank, or a host's ranks) its own
         loss_fn(net(x), y).backward()
         inner_optimizer.step(); inner_optimizer.zero_grad()
         outer.after_inner_step()              # every H steps: the outer step, across the workers
 
-Every H steps the round's pseudo-gradient (start weights minus current ones) is averaged over the
-workers (one all_reduce) and an outer Nesterov SGD updates the start ("outer") weights. With H = 1,
-outer_lr = 1 and no momentum this is exactly data parallelism on SGD.
-
-Where each rank sits: a worker is `worker_group` (S ranks holding the same weights) and
-`across_group` joins the ranks of the same place in the R workers; both must be groups of their
-own, so an outer all_reduce in flight never queues the inner steps' collectives behind it. Each
-rank owns 1/S of every fragment (its outer weights and momentum), all_reduces that slice across
-the workers, and a place says what the slice is:
-
-    Replicated     every rank holds the whole parameters (one rank, or DDP within the worker):
-                   rank s takes slice s of the flat fragment; written back, the slices are gathered
-    ShardedWithin  ZeRO within the worker (`sharded_by=`): the slice is this rank's fp32 master
-                   shard pieces, read and written in place, then the wrapper gathers the parameters
-
-Both give the whole fragment from every rank's slice and a slice from a whole one, so outer state
-saved by one place, at one S, loads in the other at any S.
+Groups and slices: docs/internals.md, "parallel/diloco.py".
 """
 
 from __future__ import annotations

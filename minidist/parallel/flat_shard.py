@@ -1,45 +1,10 @@
-"""ZeRO's flat shards, in one place: the sharded checkpoint format, the padded flat groups with their master
-shards and their one parameter gather.
-
-The `minidist.sharded.v1` format: what ShardedDataParallel.sharded_state_dict() writes, read in
-one place. Its loader, the optimizer's re-cut and offline consolidation all read through here.
-
-One dict per saved shard (a rank of the shard group):
-
-    {"format": "minidist.sharded.v1", "world_size": W, "rank": r, "stage": k, "mesh": [R, S] | None,
-     "shapes": {name: shape},                          # every sharded parameter
-     "params": {name: [(start, values), ...]},         # this rank's pieces, start = offset in the flattened parameter
-     "optim": {key: {name: [(start, values), ...]}},   # per-element optimizer state (exp_avg, ...), likewise
-     "optim_scalars": {shard index: [per group {key: value}]},   # step counters and the like
-     "param_groups": [{option: value}],                # the optimizer's groups, without their parameters
-     "replicated": {state_dict key: tensor}}           # what is not sharded: buffers, frozen parameters
-
-Pieces carry their offsets, so any set of shards that covers a parameter rebuilds it, whatever
-world size or bucketing cut them: FlatShard.fill_from_pieces re-cuts them for a live shard,
-`assemble` joins them into the whole tensor.
-
-FlatShard: a group of parameters laid out in one flat buffer, of which this rank owns a slice.
+"""ZeRO's flat shards, in one place: the padded flat groups with their fp32 master shards and their
+one parameter gather, and the `minidist.sharded.v1` checkpoint format that reads and writes them.
 
     flat (padded to a multiple of n):  [ p0 | p1 | p2 ......... | pad ]
     rank r owns                         [ r*s : (r+1)*s ),  s = padded / n
 
-The padding makes every shard the same size, so a real reduce_scatter / all_gather
-applies. The owned slice of the fp32 values ("master" shard) is what the
-optimizer steps on: any element-wise optimizer (SGD, Adam, AdamW) works on a
-flat slice exactly as on the separate tensors.
-
-The optimizer's groups may have different options (no weight decay for biases and norms), so
-the parameters are laid out group by group and the master shard is cut where the groups meet: one
-"piece" per group, an nn.Parameter viewing its part of the master (maybe empty), what the group
-holds. A group of a whole-parameter optimizer (Muon) is laid out whole instead: each parameter
-within one rank's slice (flat_layout), one piece per parameter, shaped as it.
-
-    flat:    [ group 0: p0 | p2 | group 1: p1 | p3 | pad ]
-    rank r:              [ piece 0 | piece 1 ]   (views into master)
-
-Both ZeRO-1/2 buckets and ZeRO-3 units are FlatShards; what differs is whether
-the full flat buffer lives all the time (stages 1-2) or only around the unit's
-forward and backward (stage 3).
+The layout by optimizer group, and the format's fields: docs/internals.md, "parallel/flat_shard.py".
 """
 
 from __future__ import annotations

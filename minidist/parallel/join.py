@@ -1,54 +1,13 @@
-"""Join for every wrapper: DataParallel's shadowing of collectives, and ShardedDataParallel's replay.
-
-Uneven inputs: ranks that run out of data shadow the collectives of those still training.
+"""Join for every wrapper (uneven inputs): ranks that run out of data shadow the collectives of those
+still training, with native DDP's protocol (torch.distributed.algorithms.Join).
 
     with minidist.Join(model):              # a DataParallel or a ShardedDataParallel
         for x, y in my_shard:                # shards of different lengths on different ranks
             loss_fn(model(x), y).backward()
             optimizer.step(); optimizer.zero_grad()
 
-Without it, the rank whose data ends first leaves its loop while the others wait in their
-next collective until the timeout. Under Join, native DDP's protocol
-(torch.distributed.algorithms.Join), which every strategy shares:
-
-- Ranks still training ("active") all_reduce one small notice at each point where a rank
-  that left cannot guess what comes next: before every forward (will its backward reduce
-  gradients? are buffers broadcast first?) and, for ShardedDataParallel, before a clip and
-  before an optimizer step, since those are collectives over shards too.
-- A rank that has left its loop (Join's exit) all_reduces an empty notice per notice of the
-  others and mirrors what it announces (DataParallelJoin, ShardedJoin: the mixins below, each
-  wrapper's one seam with Join). When no rank is active any more, everyone leaves.
-- Gradients stay divided by the initial world size (native's divide_by_initial_world_size):
-  a rank that left adds zeros.
-- Buffers are broadcast from the highest rank still active (a rank that left has stale ones);
-  at the end every rank takes the state of the highest among the last ones active.
-
-The notice is reduced with MAX: every active rank sends the same announcement, a rank that
-left sends zeros, and each rank marks only its own slot in the "active" part.
-
-Join for ShardedDataParallel: a rank that ran out of data keeps its shard of the training going.
-
-Under ZeRO a rank that left its loop cannot simply add zeros and wait, as a DataParallel rank
-does: it owns a shard of the optimizer (and, at stage 3, of the parameters). So for every
-notice of the ranks still training (see Join, below) it does what they do:
-
-    FORWARD  replay this rank's last forward, with the same grad mode, train/eval mode and
-             no_sync state as announced, and backward with zero output gradients. That
-             issues exactly the collectives their forward and backward issue — buffer
-             broadcast, stage-3 gathers in their prefetch order, every reduce_scatter —
-             and contributes gradients that are exactly zero. Its own shard receives the
-             true reduced gradient of the ranks still active.
-    CLIP     clip_grad_norm_ with the announced max_norm and norm_type: its shard's part of
-             the global norm, and the same scaling of its shard.
-    STEP     optimizer.step() with the announced learning rates (the active ranks' LR
-             schedulers keep going; this rank's does not), then zero_grad(), then the
-             post-step gathers every rank runs.
-
-So the shards of a rank that left stay exactly where they would be had it trained on with
-zero gradients: "no update drift". Assumed, as by native ZeRO under Join: each synced
-backward is followed by at most one clip and one step, and zero_grad() after the step.
-A rank that never ran a forward has nothing to replay: then every rank raises, naming it,
-instead of waiting for it.
+A DataParallel rank that left adds zeros; a ShardedDataParallel rank replays its last forward
+with zero gradients, so its shards keep training. The protocol: docs/internals.md, "parallel/join.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
-"""A model built on the meta device, materialised by ZeRO stage 3 unit by unit into its shards.
-
-FSDP2's way for a model that does not fit one device: build it under `torch.device("meta")`
-(shapes, no storage), wrap, and only then give it values. Here the wrapper does the last step:
+"""A model built on the meta device, materialised by ZeRO stage 3 unit by unit into its shards,
+bitwise as materialising it whole on rank 0 and sharding it would (FSDP2's way).
 
     with torch.device("meta"):
         net = GPT(cfg)
     model = ShardedDataParallel(net, optimizer, stage=3)               # reset_parameters() of each module
     model = ShardedDataParallel(net, optimizer, stage=3, init_fn=init)  # or init(module) for each module
 
-The values are, bitwise, those of materialising the whole model and initialising it as
-
-    net.to_empty(device=device)      # (swapping in place: a tied head stays tied)
-    for m in net.modules():          # each module with parameters or buffers of its own
-        init(m)                      # init_fn(m), or m.reset_parameters()
-
-on the source rank (rank 0's generator state is everyone's first: the broadcast that starts
-any other wrap), then sharding it. For a model whose containers' reset_parameters() call their
-children's in the order they were registered (FSDP2's example), that is the root's
-reset_parameters(). The peak while wrapping is the shards plus one unit.
-
-How: pass 1 walks the modules in that order and records the generator state each module's
-initialisation starts from, materialising one module at a time (its buffers stay: they are
-not sharded). Pass 2, for each unit, points the unit's parameters into one flat buffer laid
-out as its FlatShard lays it out, and replays the initialisation of the modules that own them,
-each from its recorded state; the FlatShard keeps this rank's slice and frees the rest. An
-initialisation must write only its own module's tensors (reset_parameters does): one that
-writes a submodule's parameters is refused, since they hold no values yet at its turn.
+The two passes: docs/internals.md, "parallel/meta_init.py".
 """
 
 from __future__ import annotations

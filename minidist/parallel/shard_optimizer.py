@@ -1,18 +1,7 @@
-"""ZeRO's state as torch's APIs see it: the optimizers over the shards and their state dicts, and the
-module's state_dict / load_state_dict. What users may call, and why the rest is refused:
-docs/drop_in.md ("The rank-0 optimizer snapshot", "state_dict() at stage 3") and docs/api.md.
-
-A built optimizer (or several: Muon and AdamW) is adopted: its groups say which options each
-parameter gets, so the flat shards are laid out group by group and each rank's master shard is cut
-into pieces (flat_shard.py): one flat piece per group for element-wise optimizers, one whole
-parameter per piece for whole-parameter ones (Muon); the groups are rebound in place to their
-pieces, so the objects the script holds, and any scheduler on them, step the shards. State already
-held is re-cut into the shards; a factory is the one-group case. A per-piece state dict carries its
-place (rank, ranks, stage, layout) under TAG and loads only there; `full_state_dict()` numbers the
-state as an unsharded optimizer over the user's groups would, and loading such a state (ours, a
-native optimizer's, DCP's keyed by name) has each rank take its slice. ModuleStateHooks make
-`state_dict()` wait for pending gathers (stages 1-2) and refuse where the parameters are not the
-values to save (stage 3, a param_wire), and `load_state_dict()` write the master shards too.
+"""ZeRO's state as torch's APIs see it: the optimizers over the shards (a built optimizer is adopted,
+its groups rebound in place to this rank's pieces), their state dicts (per piece, or numbered as
+an unsharded optimizer would), and the module's state_dict / load_state_dict. What users may call,
+and why the rest is refused: docs/drop_in.md and docs/internals.md, "parallel/shard_optimizer.py".
 """
 
 from __future__ import annotations

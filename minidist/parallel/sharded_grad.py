@@ -1,41 +1,12 @@
-"""The sharded gradient, from the buckets to the optimizer: its reduction, the `.grad` placeholder
-torch's own code sees, and GradScaler's found-inf agreed across ranks.
+"""The sharded gradient, from the buckets to the optimizer: the one reduction every ZeRO stage and
+the mesh perform, the `.grad` placeholder torch's own code sees, and GradScaler's found-inf agreed
+across ranks.
 
-The one gradient reduction every ZeRO stage (and hybrid sharding) performs:
+    fill     each gradient / N into its slot of a flat, shard-padded buffer
+    launch   reduce_scatter over the shard group (then, on a mesh, all_reduce across replicas)
+    finish   add the slice into the master shard's gradient
 
-    fill     each gradient / N into its slot of a flat, shard-padded buffer (zeros where none)
-    launch   reduce_scatter the buffer over the shard group -> this rank's slice of the sum;
-             with a mesh, that slice is then all_reduced across the replicas (ReplicaReduce)
-    finish   add the slice into the master shard's gradient (cast to the master dtype)
-
-Stages 1-2 do it per bucket (zero.py), stage 3 per unit (zero3.py); only when the buffer exists
-and when each step runs differ. The wire (`grad_wire`, minidist.comm.wire) is applied here, so
-every stage rounds each gradient once, on the sending rank, and sums in full precision.
-
-Hybrid sharding (minidist.init_mesh): the reduce_scatter within the shard group (one host) leaves
-each rank its host's sum of 1/S of the gradient; the all_reduce across the replicate group (one
-rank per host) makes it every rank's sum. Only that crosses hosts: 1/S of the bytes. It can
-start only once its reduce_scatter is done, so it is chained behind it, and chained reductions
-start strictly in issue order (every rank of a replicate group issues them alike); each new
-reduction first starts those at the queue's head already done, so the all_reduces overlap the
-rest of backward. On CUDA the host cannot see a reduce_scatter finish without waiting for the
-GPU, so each all_reduce is issued at once from a side stream that waits for its reduce_scatter.
-
-The `.grad` placeholder (why: docs/drop_in.md, ".grad under ZeRO"). After a synchronised backward
-every trainable parameter's `.grad` is a `ShardedGradient`: the right shape, dtype and device, no
-storage. `torch.linalg.vector_norm(p.grad)` is the whole averaged gradient's norm (the first call
-after a backward computes every parameter's with one all_reduce over the shard group: a collective,
-made alike on every rank, as clipping does); `mul_` and `clamp_` act on this rank's slice; any
-other use raises, naming the supported way. A hook on each parameter clears the placeholder just
-before autograd accumulates a new gradient; `zero_grad()` / `p.grad = None` clear it as any.
-
-GradScaler's agreement (why: docs/drop_in.md, "GradScaler"): `scaler.unscale_(optimizer)` calls
-`torch._amp_foreach_non_finite_check_and_unscale_` on the optimizer's gradients once per device and
-dtype, all writing one found-inf flag. One extra, empty parameter in the optimizer's last group
-(of a dtype no shard uses, so its call comes last) has a tensor subclass as its gradient, whose
-dispatch receives that call and all_reduces (MAX) the flag over the data-parallel ranks, as DTensor
-does for fully_shard. A step pre-hook clears its gradient before the optimizer looks at it; the
-wrapper places it again after each synchronised backward.
+The mesh's chaining, the placeholder and the agreement: docs/internals.md, "parallel/sharded_grad.py".
 """
 
 from __future__ import annotations

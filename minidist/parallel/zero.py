@@ -5,15 +5,9 @@
     model.clip_grad_norm_(1.0)
     model.optimizer.step(); model.optimizer.zero_grad()
 
-Parameters are grouped into FlatShards (flat buffers padded to a multiple of N); rank r owns
-slice r of each, and the optimizer is a real torch optimizer over the owned fp32 slices ("master
-shards"). Gradients reach it by reduce_scatter; after `optimizer.step()` the updated slices are
-all_gathered back into the full parameters (stages 1-2) or gathered on demand before each unit's
-forward and backward (stage 3, zero3.py). What each stage stores and sends: docs/api.md; what
-torch's own calls do on the wrapped model, and why some are refused: docs/drop_in.md.
-
-This file holds what all stages share (the optimizer, clipping, checkpoints, memory) and stages
-1-2, which reuse DataParallel's backward machinery.
+Rank r owns slice r of each FlatShard; the optimizer steps the fp32 master slices, fed by
+reduce_scatter; the updated slices are all_gathered back (stages 1-2, here) or gathered per unit
+on demand (stage 3, zero3.py). What each stage stores and sends: docs/api.md.
 """
 
 from __future__ import annotations

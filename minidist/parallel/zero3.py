@@ -1,24 +1,11 @@
 """ZeRO stage 3: parameters sharded too, gathered per unit just before they are needed.
 
-The model is cut into units: by default its repeated blocks (each transformer layer, each
-ResNet block: where FSDP2 users call fully_shard), or the largest submodules with at least
-`min_unit_params` parameters, or what `unit_policy` picks; parameters outside every unit —
-embeddings, final norm, a tied output head — form the root unit.
-Each rank stores 1/N of every unit. Per training step, for every unit:
+    forward:   all_gather the unit's shard -> its forward -> free the full parameters
+    backward:  all_gather again -> its backward -> reduce_scatter the gradients -> free
 
-    forward:   all_gather its shard  -> run its forward -> free the full parameters
-    backward:  all_gather again (hook on the unit's outputs' gradient)
-               -> its backward -> gradients ready (post-accumulate-grad hooks)
-               -> reduce_scatter them -> free the full gradients and parameters
-
-While unit k computes, unit k+1's all_gather is already in flight (prefetch; in
-backward, k-1's), so communication overlaps compute. A parameter used by more
-than one submodule (tied embedding and head) lives in one unit, so it is
-gathered and reduced once and stays tied.
-
-Freeing works on the storage (`resize_(0)`), not the tensors: the parameters
-stay views into their unit's flat buffer, autograd's saved references stay
-valid, and gathering into the resized storage brings the values back.
+Units are the model's repeated blocks (where FSDP2 users call fully_shard) and a root unit;
+the next unit's gather is prefetched. How units are cut and freed: docs/internals.md,
+"parallel/zero3.py".
 """
 
 from __future__ import annotations

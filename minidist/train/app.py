@@ -3,21 +3,8 @@
     python recipes/train.py launcher.nproc=4      -> this process validates, then starts 4 local ranks
     torchrun --nproc_per_node 4 recipes/train.py  -> each rank validates, then trains
 
-A config error is printed as one line (`error: ...`) and the exit status is 2, before
-any rank starts or anything is written.
-
-The command line of every recipe, wherever it is started from: `python recipes/train.py`,
-`minidist train` (the installed command), `python -m minidist.train` (so that
-`torchrun --nproc_per_node 4 -m minidist.train strategy=zero3` works from any directory).
-
-Ranks start through run_ranks: under torchrun or srun this process is already one rank and calls
-the function itself; with plain `python` it starts `nproc` local ranks through torch's elastic
-launcher (run_local). The trainer, the comparison and every recipe (run_recipe) launch this way.
-
-Hydra overrides as usual; outputs under the current directory (outputs/train/DATE/TIME, or
-hydra.run.dir); the configs from minidist.train.config (the repository's, or the copy a
-wheel carries). A mistake in an override (`trainer.max_step=5`, `strategy=zer3`) is one line
-naming it and the closest valid names, exit status 2; `HYDRA_FULL_ERROR=1` shows Hydra's own.
+A config error is one line (`error: ...`), exit status 2, before any rank starts. The command line
+of every recipe, `minidist train` and `python -m minidist.train`: docs/internals.md, "train/app.py".
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Checkpoints that do not stop training (trainer.checkpoint_async=true).
 
     checkpoints = AsyncCheckpoints(run_dir, strategy)
-    checkpoints.save(step, meta)      # at a checkpoint step: collect, copy aside, write in the background
-    checkpoints.poll()                # after every step, on every rank: commit once every rank has written
-    checkpoints.wait()                # a stop, the end of the run: the write in flight, finished and committed
+    checkpoints.save(step, meta)      # collect, copy aside, write in the background
+    checkpoints.poll()                # after every step, on every rank: commit once all have written
+    checkpoints.wait()                # a stop, the end of the run: the write in flight, committed
 
-A save runs the three phases of checkpoint.save_checkpoint. The first stays in the training
-thread, as it communicates: the `.tmp` folder is made, the layout collects this rank's state
-(full_state_dict, sharded_state_dict: collectives) and every tensor is copied to CPU memory
-(pinned when the model is on a GPU), so training may change the live ones at once. The copies
-are kept for the next checkpoint to copy into (the run holds one checkpoint's worth of CPU
-memory; a fresh allocation's page faults cost more than the copy). The second phase, writing and
-fsyncing this rank's files (hashed as they are written, for the manifest), is a background
-thread's: no communication in it. The third, the commit (every rank agrees the files are
-written; rank 0 writes the manifest from the writers' hashes and renames the folder),
-communicates again, so it runs in the training thread, at the first `poll()` after every rank's
-writer has finished: each poll is one small all_reduce while a write is in flight, and nothing
-otherwise. The checkpoints beyond trainer.keep_last are renamed out of sight when the trainer
-prunes (once the steps after the newest have checked out) and deleted by another background thread.
-
-At most one write is in flight: the next save, the end of the run and a stop wait for it. A
-write that fails surfaces at the poll that commits it, as the same CheckpointWriteFailed line
-the synchronous path gives. The guarantee of the synchronous path stays: until the rename, the
-checkpoint is a `.tmp` folder no resume looks at, so a kill -9 during a background write leaves
-the previous complete checkpoint, which trainer.resume=auto picks.
-
-DeepSpeed's engine writes its own files and communicates while it does: its checkpoints stay
-synchronous (said once in the log).
+The three phases and the guarantees kept: docs/internals.md, "train/async_checkpoint.py".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Trainer checkpoints: atomic, complete, resumable exactly; consolidated offline for any strategy.
 
-    <run dir>/checkpoints/step_00000100/
-        meta.pt              step, strategy, world size, layout, config, scheduler, scaler, data position
-        rank00000.pt         each rank's own state: RNG states and buffers (BatchNorm statistics are
-                             rank-local where a strategy does not broadcast them, e.g. fully_shard)
-        the model and optimizer state, in the strategy's layout (checkpoint_layouts.py: full,
-                             sharded or deepspeed, each one class that saves, loads and consolidates)
-        manifest.json        every other file's size and sha256, written last (checkpoint_safety.py)
+    <run dir>/checkpoints/step_00000100/   meta.pt, rank00000.pt, the strategy's layout
+                                           (checkpoint_layouts.py), manifest.json (written last)
+    minidist checkpoint consolidate CKPT_DIR OUT.pt   # a plain state_dict
 
-Safe to open: minidist saves only tensors and plain containers, and reads every file with
-torch.load(weights_only=True) (checkpoint_safety.py); a file holding anything else is refused, naming it.
-
-Atomic and durable: every rank writes into `.step_XXXXXXXX.tmp` and fsyncs it; only when all
-have finished does rank 0 write `manifest.json` (every file's size and sha256, checkpoint_safety.py) and
-rename the folder to `step_XXXXXXXX`. A rename is atomic, so a process killed while saving
-leaves a `.tmp` folder that is never mistaken for a checkpoint (and is removed at the next
-start). Before a checkpoint is used (resume, consolidate) it is checked against its manifest.
-A write that fails (a full disk, ...) stops the run with one line saying what the OS said and
-how much space is needed and free; the previous checkpoint is untouched.
-
-    minidist checkpoint consolidate CKPT_DIR OUT.pt   # or python -m minidist.train.checkpoint: a plain state_dict
+Files are loaded with weights_only=True (checkpoint_safety.py). How saving is atomic and durable:
+docs/internals.md, "train/checkpoint.py".
 """
 
 from __future__ import annotations

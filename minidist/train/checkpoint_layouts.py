@@ -1,29 +1,8 @@
-"""The three ways a checkpoint folder holds a strategy's state, each owned by one class: it saves,
-loads, reports the saved shapes and consolidates. Which one a strategy uses is its spec's
-`checkpoint` ("full", "sharded", "deepspeed"); a checkpoint's meta.pt names it as `layout`.
-Strategies expose state (full_state_dict, optimizer_state_dict, the sharded dicts, DeepSpeed's
-engine), never files.
-
-    full       model.pt (the plain state_dict) and optimizer.pt, written by rank 0
-    sharded    shard_rank%05d.pt per rank of a shard group (minidist.parallel.flat_shard),
-               written by the first replica only, and layout.pt: the state_dict's key order and
-               which parameter each key holds (tied weights), for consolidation
-    deepspeed  DeepSpeed's own folder (deepspeed/) and our model.pt beside it, for consolidation
-    dcp        torch.distributed.checkpoint's folder (dcp/): every rank writes its own shards at
-               once, nothing is gathered (native_fsdp, native_hsdp); checkpoint_safety.py reads it safely;
-               and layout.pt, the module's key order
-    workers    DiLoCo's: worker%05d.pt per worker (its own weights and inner optimizer state, whole,
-               by its first rank, whatever the inner strategy), outer.pt (the outer weights, momentum
-               and the round's place, whole, by rank 0) and layout.pt; consolidated, it is the outer
-               (synchronised) weights
-
-Any layout but DeepSpeed's also gives its state in one portable form (`portable`): the plain
-state_dict, and the optimizer's state keyed by parameter name, as torch.distributed.checkpoint's
-full optimizer state is ({"state": {name: {...}}, "param_groups": [{..., "params": [names]}]}):
-what a run of another strategy or world size loads (Strategy.load_portable).
-
-Besides these, every checkpoint has meta.pt (rank 0), rank_%05d.pt (each rank's RNG and buffers)
-and the manifest: train/checkpoint.py writes those, and the atomic rename.
+"""The ways a checkpoint folder holds a strategy's state, each one class that saves, loads, reports
+the saved shapes and consolidates: full, sharded, deepspeed, dcp and workers (a strategy spec's
+`checkpoint`; meta.pt's `layout`). Every layout but DeepSpeed's also gives a portable form that a
+run of another strategy or world size loads. The files of each: docs/internals.md,
+"train/checkpoint_layouts.py".
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""Opening a checkpoint never runs code and never trusts a file (what a user sees: docs/trainer.md,
-"Checkpoints" and "When things go wrong"). A checkpoint directory may come from anywhere, and a
-pickle can name any Python callable, so minidist saves only tensors and plain containers and reads
-every file with torch's restricted unpickler (weights_only=True).
+"""Opening a checkpoint never runs code and never trusts a file: only tensors and plain containers,
+read with torch's restricted unpickler (weights_only=True); DCP and DeepSpeed folders read safely.
 
     state = load_tensors(path)                 # CheckpointRefused (a ConfigError) names the file
     verify_checkpoint_files(ckpt)              # its manifest, then every file, before anything loads
-    save_tensors(state, path)                  # through an opened file: a full disk is the OS's OSError
 
-The manifest (manifest.json, JSON: reading it runs no code) holds every file's size and sha256 as
-the writer saw them once every rank had written and synced (each writer hashes the bytes as it
-writes them, `Digesting`, so the commit need not read the checkpoint back); `verify_manifest`
-names the first file that differs.
-
-torch.distributed.checkpoint (DCP) folders (native_fsdp, native_hsdp): DCP's reader unpickles
-`.metadata` with pickle.load and non-tensor items with weights_only=False. So the metadata is read
-by an unpickler that resolves only DCP's own metadata classes and a few torch and pathlib names,
-and each non-tensor item must load under torch's restricted unpickler before DCP is given it.
-
-    save(state, folder); load_into(state, folder)   # collectives: each rank its own shards
-    read_full(folder, only={"model"})               # no process group: plain tensors
-    saved_shapes(folder)                            # {key: shape} from the metadata alone
-
-DeepSpeed's checkpoint files (ds_zero*) hold three small DeepSpeed classes besides tensors, and
-its loader unpickles without restriction: each file must first load under the restricted
-unpickler with those three classes, and nothing else, allowed.
+The manifest, DCP's metadata and DeepSpeed's classes: docs/internals.md, "train/checkpoint_safety.py".
 """
 
 from __future__ import annotations

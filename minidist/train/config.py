@@ -1,25 +1,6 @@
-"""The rules of a config, in one place (no import of the rest of the trainer: everything imports it).
-
-The errors a user's input can cause: each printed as a single line, exit status 2.
-
-Where minidist's Hydra configs are: the copy a wheel carries inside the package
-(minidist/_configs, put there by setup.py), else the repository's top-level configs/ (a
-checkout, or an editable install of one).
-
-A config's `_target_`: the class it names, accepted only if it is the kind of class the
-config group builds, so a config cannot name arbitrary code to run.
-
-A run resumed with other settings than the checkpoint was written with: what may change.
-
-    trainer.resume: settings changed since step_00000020 was written: optim.lr 0.003 -> 0.5,
-        trainer.max_steps 400 -> 800 (applied from step 20)
-
-How the rest of the training goes may change: the learning rate and its schedule, the
-optimizer's other numbers, max_steps, the cadences of logs, evaluations and checkpoints,
-clipping, the strategy's options. What the state or the data stream is made of may not: the
-model, the data, the seed, the batch, the precision, the optimizer's class and the flags that
-shape its state. Those are refused in one line before any rank starts (exit 2), naming each.
-(The world size and the strategy are checked beside them, config_check.check_run_fits.)
+"""The rules of a config, in one place (it imports nothing else of the trainer): the one-line errors
+(ConfigError, exit status 2), where the configs are, a config's `_target_` checked against the kind
+of class its group builds, and what may change on resume (docs/internals.md, "train/config.py").
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""The optimizer, its schedule, and one optimizer step.
-
-The optimizer and its schedule, from the optim config group: one place for the trainer and the
+"""The optimizer, its schedule, and one optimizer step, the same code for the trainer and the
 comparison (train/state.py builds both).
 
-The optimizer is Hydra's `_target_` (a torch.optim.Optimizer class) with the group's other keys
-as its arguments, except the schedule's and `fused`. It is handed on as (class, arguments), not
-instantiated: ZeRO builds it over its own shards. Only optimizer classes are accepted, so a
-config cannot name arbitrary code to run.
-
-Several optimizers stepped as one (CombinedOptimizer): optim=muon's MuonWithAdamW, Muon over the
-hidden weight matrices (hidden_matrices) and AdamW over the rest, each group its own lr.
-
-One optimizer step through a strategy: the trainer's and the comparison's, the same code.
-
     loss, grad_norm = accumulate_and_step(strategy, micro_batches, loss_fn, max_norm, scaler)
-    accumulate_and_step(..., before_optimizer=lambda: strategy.memory_report())   # gradients complete
 
-All micro-batches but the last run under the strategy's no_sync (accumulation without
-communication), unless strategy.accumulate=sharded (stages 2-3, FSDP2): then every backward
-reduce-scatters into the gradient shard, as FSDP2's and DeepSpeed's loops do, and no rank holds
-a full gradient between micro-batches. Each loss is divided by their number, so the gradient is
-the mean over the global batch. Forward, backward and the optimizer run inside profiler ranges
-("minidist.forward", ...), which cost nothing unless torch.profiler is recording:
-they are what the comparison's timeline draws as compute.
+The optimizer is handed on as (class, arguments): ZeRO builds it over its own shards. Several
+optimizers step as one (CombinedOptimizer: optim=muon). Accumulation: docs/internals.md, "train/optim.py".
 """
 
 from __future__ import annotations

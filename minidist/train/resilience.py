@@ -1,37 +1,7 @@
 """When things go wrong, in one place: fault injection, failed collectives named, NCCL's flight
-recorder, bytes between hosts, the failure report and the heartbeat that notices a lost host.
-What each does for a user, and its settings: docs/multinode.md ("Elastic restart" to "Bad
-numbers"); stop signals: stop_signal.py, which imports no torch.
-
-Fault injection (FaultPlan, parsed once, asked at each step): a planned kill writes and syncs a
-marker in <run dir>/faults/ before the SIGKILL, so the restarted group runs through it; a
-stall sleeps for good (the others must fail after launcher.timeout_s); a nan loses one loss.
-
-Failures in one line: `collective_failure` turns what the backend raises into a message naming
-the step and the collective this rank waited for (minidist.comm's tracer for our strategies,
-generically for native ones). Each rank prints that line, logs the traceback, and leaves
-logs/rank_N.failure.json, from which the launcher names the rank that failed first
-(`who_failed_first`): the one that stalled or died, not the survivors that timed out on it.
-On NCCL the wait is on the GPU and the watchdog ends the process before Python can name
-anything, so every run turns on NCCL's flight recorder (the user's exported settings win) and
-the failure line names its dumps.
-
-Bytes between hosts: the theory is what the ring model sends to a peer on another host (host =
-rank // ranks per host), plus the most TCP packets that payload can take, each with headers and
-an ACK (FRAME_OVERHEAD); the measure is the namespace's transmit counters (/proc/net/dev,
-loopback excluded), read by each host's local rank 0 after the first and the last step, so
-start-up stays out. scripts/multinode_local.sh compares the two.
-
-The heartbeat (PeerWatch): a host that loses power or its link sends nothing, and collectives
-would wait out launcher.timeout_s. A thread bumps this rank's counter in the launch's store
-every interval and reads its two ring neighbours' counters and one shared "lost" key (three
-reads, whatever the world size). A neighbour whose counter has not moved for peer_timeout_s,
-on this rank's own clock (none is compared across hosts; a neighbour is watched from its first
-beat, so a slow start is no loss), is gone: this rank writes "lost", says so in one line and
-exits at once (os._exit: the training thread may be inside a collective). torchrun re-forms
-the group from the hosts left. A finished rank's beat says "done", never "gone". The store is
-served by the rendezvous host, which must survive; if it stops answering the watch ends. A
-stuck but living rank still beats: that is launcher.timeout_s's to catch.
+recorder, bytes between hosts, the failure report and the heartbeat that notices a lost host
+(PeerWatch). What each does for a user: docs/multinode.md; how: docs/internals.md,
+"train/resilience.py"; stop signals: stop_signal.py, which imports no torch.
 """
 
 from __future__ import annotations

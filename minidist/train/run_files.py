@@ -1,22 +1,6 @@
-"""Everything a run writes in its directory, in one place: the lock (one run per directory), files written
-without following a link, the logs, TensorBoard, the progress bar and the summary (what a user sees:
-docs/trainer.md).
-
-One run per directory: the process that launches the ranks takes an exclusive flock on run.lock
-before any rank starts and holds it to the end, recording who holds it (pid, host, start time); a
-second run stops at once naming the live one. The kernel drops a flock with its process, however
-it dies, so a killed run's lock is never in the way. Without flock (some NFS setups) the recorded
-pid and host decide: a holder on this host that no longer exists is stale and taken over; one on
-another host is named, to be removed by hand.
-
-Nothing the run writes follows a link it did not make (a shared directory could hold one planted
-to make the run overwrite what it points to): before any rank starts, logs/, checkpoints/,
-tensorboard/ and samples/ must be real, link-free, writable folders (a probe file made and
-removed); ranks append with O_NOFOLLOW (`append_file`) and rewrite whole files by renaming a new
-one over the old (`write_replacing`: a link there is replaced, never written through).
-
-Only rank 0 writes to the console: a tqdm progress bar, then the summary table with the
-`tensorboard --logdir` command; every rank logs to <run dir>/logs/rank_N.log.
+"""Everything a run writes in its directory: the lock (one run per directory), files written without
+following a link, the logs, TensorBoard, the progress bar and the summary (what a user sees:
+docs/trainer.md; how the lock and the link checks work: docs/internals.md, "train/run_files.py").
 """
 
 from __future__ import annotations

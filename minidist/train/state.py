@@ -1,21 +1,10 @@
 """The training state, built one way for the trainer and the comparison alike, and the device it runs on.
 
     data = build_data(cfg, ctx)                             # data sets, their info, this rank's sampler
-    micro = data.micro_batches(iter(data.sampler), grad_accum, ctx.device)
     state = build_training_state(cfg, cfg.strategy, ctx, data.info, total_steps)
     loss, grad_norm = state.step(micro_batches)             # one optimizer step, then the schedule's
-    reseed_per_rank(cfg.trainer.seed, ctx.rank)             # each rank its own randomness from here on
 
-Every rank, and every strategy of a comparison, starts from the same weights (the model is built
-right after seeding with trainer.seed), and a step is the same code for both, so a comparison
-measures exactly what the trainer runs.
-
-The device (CUDA only matters): `trainer.tf32` through torch's fp32_precision API (false, the
-default, keeps fp32 exact); the allocator's peak reset per run (a second run in one process
-reports its own); batches copied from pinned memory (non_blocking from pageable memory is a
-synchronous copy in disguise). MFU = model FLOP/s over the device's dense vendor peak for the
-precision its matmuls run in (trainer.peak_tflops=auto looks it up; a GPU not in the table gets a
-line saying to set it; on CPU a rough one-core fp32 figure).
+The device settings and MFU: docs/internals.md, "train/state.py".
 """
 
 from __future__ import annotations

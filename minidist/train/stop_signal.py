@@ -3,27 +3,9 @@ checkpointed, and the run ends in one line.
 
     with StopSignals(grace_s=25) as stop:        # a rank's main thread, around its whole run
         stop.where = lambda: f"after step {step}"   # what a forced stop's line says
-        ...
         signum = stop.agreed(group)              # after each step, on every rank: a collective
 
-SIGINT (Ctrl-C), SIGTERM (Kubernetes, SLURM at the time limit, torchrun passing on its own) and
-SIGUSR1 (SLURM's `--signal=USR1@N` warning) ask for a stop; the signal only sets a flag, so no
-step, collective or save is cut in the middle. `agreed` is a MAX all_reduce of that flag, so all
-ranks leave the loop after the same step, though only one of them was signalled.
-
-Two ways out are forced, both within a bounded time, printing one line and exiting with status
-128 + the signal's number (130 Ctrl-C, 143 SIGTERM, 138 SIGUSR1), as a program killed by it would:
-
-- the same kind of signal again, at least `repeat_window_s` after the first: a second Ctrl-C
-  stops at once. (Earlier copies are the launcher passing on what the terminal already sent to
-  the whole process group: torchrun and our launcher forward the signal they receive.)
-- `grace_s` after the first signal, the rank is still not done (a step that never finishes: a
-  peer is stuck; a save slower than the preemption's grace). A save cut short leaves a partial
-  folder that the next start removes; the previous checkpoints are intact.
-
-Both are decided in a watcher thread woken through `signal.set_wakeup_fd`, which the C-level
-handler writes to at once, even while the main thread is blocked inside a collective (where
-Python's own handlers cannot run until it returns).
+The signals, the forced ways out and the watcher thread: docs/internals.md, "train/stop_signal.py".
 """
 
 from __future__ import annotations

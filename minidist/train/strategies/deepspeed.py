@@ -1,29 +1,9 @@
-"""DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface: a third party to compare with.
+"""DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface: a third party to compare
+with, optional (`pip install -e '.[deepspeed]'`), imported only when a ds_* strategy wraps a model.
 
-The registry imports this module with the other families; DeepSpeed itself is imported only when
-a ds_* strategy wraps a model (import_deepspeed), so it stays an optional extra.
-
-    python recipes/compare.py compare.strategies=[zero2,ds_zero2]
     python recipes/train.py strategy=ds_zero3
 
-DeepSpeed is optional (`pip install -e '.[deepspeed]'`). The adapter is thin:
-
-- `deepspeed.initialize` with the client torch optimizer (so AdamW is the same code as
-  ours and native's) and a config holding only what differs from DeepSpeed's defaults:
-  ZeRO stage, bucket sizes matched to `bucket_cap_mb`, clipping set per step.
-- Accumulation: DeepSpeed's ZeRO-2/3 have no `no_sync`; under our `no_sync()` the
-  adapter marks the micro-batch as not an accumulation boundary, which is DeepSpeed's
-  own mechanism for custom loops, and the loss is not divided again (the trainer
-  already divided it).
-- On CPU, DeepSpeed's communication backend compiles a shared-memory all_reduce with
-  g++ at start-up (into ~/.cache/torch_extensions). That op serves inference only
-  (`inference_all_reduce`); training never calls it. The adapter skips building it, so
-  DeepSpeed runs on a machine without a compiler and writes nothing into the home cache.
-- Reading stage-3 weights needs `deepspeed.zero.GatheredParameters` (each rank holds a
-  partition; the module's own tensors are empty placeholders).
-- Checkpoints are DeepSpeed's own (`engine.save_checkpoint`, one folder per checkpoint,
-  per-rank optimizer partitions) plus our plain model.pt for consolidation; resuming
-  needs the same world size, like every sharded-optimizer checkpoint of DeepSpeed.
+What the thin adapter does, and why: docs/internals.md, "train/strategies/deepspeed.py".
 """
 
 from __future__ import annotations

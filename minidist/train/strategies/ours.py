@@ -1,21 +1,7 @@
-"""minidist's own strategies: one rank, DataParallel (flat or two-level all_reduce),
-ShardedDataParallel (ZeRO stages 1-3, flat or hybrid on a 2-D mesh), and DiLoCo.
-
-| name             | what                                                             | checkpoint |
-| single           | no wrapper, one rank                                             | full       |
-| ddp              | minidist.DataParallel                                            | full       |
-| ddp_hierarchical | DataParallel, all_reduce in two levels on a mesh (comm_hook=hierarchical) | full |
-| zero1/2/3        | minidist.ShardedDataParallel(stage=k)                            | sharded    |
-| hsdp2/3          | ShardedDataParallel(stage=k, mesh=init_mesh(shard=shard_size))   | sharded, once per shard group |
-| diloco           | workers that average pseudo-gradients every sync_every steps     | workers    |
-| diloco_streaming | the same, the model in `fragments` synced at staggered steps     | workers    |
-
-"full": rank 0 writes model.pt (the plain state_dict) and optimizer.pt. "sharded": every rank
-writes its shard with the offsets that let any world size load it. "workers"
-(checkpoint_layouts.Workers): each DiLoCo worker its weights and inner optimizer state, gathered
-whole whatever the inner strategy, and the outer state once. A DiLoCo worker is one rank or
-strategy.shard_size ranks running DataParallel or ZeRO among themselves (strategy.inner);
-what each setting does: docs/multinode.md; the algorithm: minidist.parallel.diloco.
+"""minidist's own strategies: single, ddp, ddp_hierarchical (DataParallel), zero1-3 and hsdp2/3
+(ShardedDataParallel, flat or on a 2-D mesh), diloco and diloco_streaming (workers of one rank or
+strategy.shard_size ranks). The table with each one's checkpoint layout: docs/internals.md,
+"train/strategies/ours.py".
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
-"""What a strategy is, declared once: the facts the rest of minidist used to guess from its name.
-
-    spec = StrategySpec(name="zero2", kind="minidist", factory=..., checkpoint="sharded",
-                        reference="ds_zero2", zero_stage=2, options=(...),
-                        collectives=(Collective("reduce_scatter"), Collective("all_gather")))
-    spec.wire_bytes(psi=1000, n=4)            # ring-model bytes each rank sends per step, by op
-    spec.model_state_bytes(psi=1000, n=4)     # parameters + gradients + Adam state per rank
-
-The theory is computed from two declarations, so that the comparison's expected bytes, the RSS
-bound and the cost model (costmodel.py) all price a strategy the same way:
-
-- `collectives`: what one optimizer step sends. Each entry is an op over a group of ranks
-  (the world; the shard group of S ranks; the replicas, R = n / S, one rank of each shard
-  group) carrying the whole model or one shard group's 1/S of it, `count` times; a `per_round`
-  one once every strategy.sync_every steps (DiLoCo's outer step), so 1/H of it a step; its
-  `wire`, the strategy option that says what it travels as (grad_wire, param_wire, outer_wire:
-  minidist.comm.wire's formats), priced by the bytes that format sends an element.
-- `zero_stage`: which of the model state's three parts are sharded over the group (0: none,
-  1: optimizer state, 2: + gradients, 3: + parameters), the ZeRO paper's stages.
-
-Ring model (minidist.comm.ring_bytes_sent, what the CommTracer counts), on a group of g ranks
-moving M bytes: reduce_scatter and all_gather send (g-1)/g M per rank, all_reduce twice that;
-a broadcast is counted M for every rank.
-
-Every strategy by name: register a spec once, and every part of minidist finds it.
+"""What a strategy is, declared once (StrategySpec), and every strategy by name.
 
     register(StrategySpec(name="mine", kind="minidist", factory=Mine, summary="...", options=(...)))
-    spec("zero2"), names(), specs(kind="native")
+    spec("zero2").wire_bytes(psi=1000, n=4)   # ring-model bytes each rank sends per step, by op
     strategy = build_strategy(cfg.strategy, ctx, precision)
 
-The families shipped with minidist (ours.py, native.py, deepspeed.py) are imported the first
-time the registry is asked anything, by name (importlib), so the registry imports none of them
-and none imports the registry back; DeepSpeed itself is imported only when a ds_* strategy
-wraps a model. A strategy from outside minidist registers itself when its module is imported:
-a strategy config may name that module (`module: my_package.my_strategy`), and every process
-that builds the strategy imports it first.
+The theory of bytes and memory comes from two declarations, `collectives` and `zero_stage`; the
+families shipped (ours, native, deepspeed) are imported by name on first use. Both:
+docs/internals.md, "train/strategies/registry.py".
 """
 
 from __future__ import annotations
