@@ -11,9 +11,7 @@ Why each is measured so: docs/internals.md, "measure.py".
 
 from __future__ import annotations
 
-import gc
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -125,36 +123,6 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Ten
     if optimizer is None:
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
-    """Bytes of every live tensor storage on `device_type` ("cpu", "cuda": pass the device the
-    model lives on) in this process, found through the garbage collector.
-
-    Independent of any bookkeeping of ours: what a strategy's memory_report claims can be
-    checked against it. Slow (a scan of all Python objects): for tests and benchmarks only.
-    collect=False skips the full garbage collection first (tensors die by reference
-    counting anyway; only cycles would be missed) for frequent sampling.
-    """
-    if collect:
-        gc.collect()
-    seen, total = set(), 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
-        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]  # one C-speed pass
-    # A gradient autograd set in C++ has no Python object, so no garbage-collector entry, until Python
-    # reads it (a first backward under no_sync): reached through its parameter instead.
-    tensors += [t.grad for t in tensors if t.requires_grad and t.is_leaf and t.grad is not None]
-    for obj in tensors:
-        try:
-            if obj.device.type == device_type:
-                s = obj.untyped_storage()
-                if s.data_ptr() not in seen and s.nbytes() > 0:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-        except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, ...)
-            continue
-    return total
 
 
 # --------------------------------------------------------------------------- the communication tracer

@@ -1,13 +1,17 @@
-"""Helpers for paired, interleaved benchmarks (recipes/bench_*.py): fair order, slowest rank, peaks."""
+"""Helpers for paired, interleaved benchmarks (recipes/bench_*.py): fair order, slowest rank, peaks,
+and the live tensor bytes they (and the memory tests) check a strategy's own report against."""
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
+import warnings
 from pathlib import Path
 
+import torch
+
 from minidist import comm
-from minidist.measure import live_tensor_bytes
 
 
 # A benchmark variant is a strategy's name, or that name and how it was run: not compiled
@@ -93,3 +97,33 @@ def write_json(path: str | None, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {path}", flush=True)
+
+
+def live_tensor_bytes(device_type: str = "cpu", collect: bool = True) -> int:
+    """Bytes of every live tensor storage on `device_type` ("cpu", "cuda": pass the device the
+    model lives on) in this process, found through the garbage collector.
+
+    Independent of any bookkeeping of ours: what a strategy's memory_report claims can be
+    checked against it. Slow (a scan of all Python objects): for tests and benchmarks only.
+    collect=False skips the full garbage collection first (tensors die by reference
+    counting anyway; only cycles would be missed) for frequent sampling.
+    """
+    if collect:
+        gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch aliases warns
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]  # one C-speed pass
+    # A gradient autograd set in C++ has no Python object, so no garbage-collector entry, until Python
+    # reads it (a first backward under no_sync): reached through its parameter instead.
+    tensors += [t.grad for t in tensors if t.requires_grad and t.is_leaf and t.grad is not None]
+    for obj in tensors:
+        try:
+            if obj.device.type == device_type:
+                s = obj.untyped_storage()
+                if s.data_ptr() not in seen and s.nbytes() > 0:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+        except Exception:  # noqa: BLE001 - tensors without storage (meta, sparse, ...)
+            continue
+    return total

@@ -51,10 +51,9 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist_tools.benchmarking import PeakSampler, rotated, slowest
+from minidist_tools.benchmarking import PeakSampler, live_tensor_bytes, rotated, slowest
 from minidist_tools.report import base_of
 from minidist.dist import launch_rank
-from minidist.measure import live_tensor_bytes
 from minidist.profiling import record_step
 from minidist.train.app import RanksFailed, run_ranks
 from minidist.train.config import ConfigError

@@ -29,7 +29,7 @@ import minidist
 from minidist import comm
 from minidist_tools.benchmarking import PeakSampler, paired_ratio, require_known, rotated, slowest, write_json
 from minidist.train.app import run_recipe
-from minidist.measure import live_tensor_bytes
+from minidist_tools.benchmarking import live_tensor_bytes
 from minidist.train.models import GPT
 from minidist.train.strategies import build_strategy, split_variant, strategy_options
 from minidist.train.app import hydra_app

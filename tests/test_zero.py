@@ -17,7 +17,7 @@ import zero_cases
 from grid import grid
 from ddp_cases import build, global_batch, loss_fn, max_rel_diff
 from minidist.comm import CommTracer
-from minidist.measure import live_tensor_bytes
+from minidist_tools.benchmarking import live_tensor_bytes
 
 STAGE_KW = {1: {}, 2: {}, 3: {"min_unit_params": 1000}}  # small units so the test GPT has several
 
