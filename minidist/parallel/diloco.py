@@ -171,9 +171,10 @@ class Fragment:
 
 
 class DiLoCo:
-    """The outer loop over a worker's parameters (module doc). Call `after_inner_step()` after
-    every inner optimizer step; `finish()` ends a partial round (the last step does it by itself
-    when `total_steps` is given), so the workers end with the same weights.
+    """The outer loop over a worker's parameters (how: docs/internals.md, "parallel/diloco.py").
+    Call `after_inner_step()` after every inner optimizer step; `finish()` ends a partial round
+    (the last step does it by itself when `total_steps` is given), so the workers end with the
+    same weights.
 
     Args:
         params: the parameters the inner optimizer updates (the same on the ranks of a worker).
@@ -181,12 +182,13 @@ class DiLoCo:
         outer_lr, outer_momentum: the outer Nesterov SGD's (momentum 0: plain SGD). The defaults
             are the DiLoCo paper's, for rounds of hundreds of steps; configs/strategy/diloco.yaml
             takes 0.5 / 0.5 for the short rounds it measured (docs/benchmarks.md).
-        fragments, sync_delay, mixing: streaming DiLoCo (module doc); 1, 0, 0 is DiLoCo.
+        fragments, sync_delay, mixing: streaming DiLoCo; 1, 0, 0 is DiLoCo.
         wire: what the pseudo-gradients travel as (None: fp32; "bf16", "fp16", "int8", a Wire).
-        worker_group, across_group: see the module doc (None with one rank).
+        worker_group, across_group: the ranks of this worker, and those of the same place in
+            every worker (None with one rank).
         sharded_by: the worker's ShardedDataParallel (ZeRO within the worker, over worker_group,
-            which may then be left out): the outer loop works on this rank's master shards
-            (module doc); None: the parameters are whole on every rank of the worker.
+            which may then be left out): the outer loop works on this rank's master shards;
+            None: the parameters are whole on every rank of the worker.
         total_steps: the run's last step, at which every fragment is synced.
     """
 

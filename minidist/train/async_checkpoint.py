@@ -47,7 +47,7 @@ def copied_aside(files: dict, pinned: bool, reuse: dict | None = None) -> dict:
 
 
 class AsyncCheckpoints:
-    """One checkpoint write at a time in a background thread; see the module docstring."""
+    """One checkpoint write at a time in a background thread; how: docs/internals.md, "train/async_checkpoint.py"."""
 
     def __init__(self, run_dir: Path, strategy):
         self.run_dir, self.strategy = Path(run_dir), strategy

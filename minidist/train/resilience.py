@@ -353,7 +353,7 @@ def _store_and_prefix(timeout_s: float):
 
 
 class PeerWatch:
-    """Beats for this rank and watches its ring neighbours; see the module docstring."""
+    """Beats for this rank and watches its ring neighbours; how: docs/internals.md, "train/resilience.py"."""
 
     started = 0  # watches this process started (a sweep's runs)
 

@@ -36,7 +36,7 @@ def signal_name(signum: int) -> str:
 
 class StopSignals:
     """While inside (a main thread; elsewhere it does nothing), SIGINT/SIGTERM/SIGUSR1 request a
-    stop instead of killing the process. See the module docstring."""
+    stop instead of killing the process. How: docs/internals.md, "train/stop_signal.py"."""
 
     def __init__(self, grace_s: float = 25.0, repeat_window_s: float = 1.0,
                  where: Callable[[], str] | None = None, latest: Callable[[], object] | None = None):
