@@ -6,7 +6,8 @@ order on every rank.
     bucket complete    --> launched, in bucket order (launch -> handle)
     backward finished  --> engine callback: launch what is left, wait, hand over (after_backward)
 
-The model says *what* happens to a bucket (BucketReducer); BucketedBackward decides *when*.
+The model says *what* happens to a bucket (BucketReducer); BucketedBackward decides *when*
+(why buckets, and why in order: docs/internals.md, "parallel/buckets.py").
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@
 
 Rank r owns slice r of each FlatShard; the optimizer steps the fp32 master slices, fed by
 reduce_scatter; the updated slices are all_gathered back (stages 1-2, here) or gathered per unit
-on demand (stage 3, zero3.py). What each stage stores and sends: docs/api.md.
+on demand (stage 3, zero3.py). What each stage stores and sends: docs/api.md; what this file
+holds: docs/internals.md, "parallel/zero.py".
 """
 
 from __future__ import annotations
