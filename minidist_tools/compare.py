@@ -51,8 +51,6 @@ from omegaconf import OmegaConf
 
 import minidist
 from minidist import comm
-from minidist_tools.benchmarking import PeakSampler, live_tensor_bytes, rotated, slowest
-from minidist_tools.report import base_of
 from minidist.dist import launch_rank
 from minidist.profiling import record_step
 from minidist.train.app import RanksFailed, run_ranks
@@ -61,6 +59,9 @@ from minidist.train.config_check import grad_accum_steps
 from minidist.train.models import count_parameters
 from minidist.train.state import build_data, build_training_state
 from minidist.train.strategies import names as strategy_names, spec
+from minidist_tools.benchmarking import PeakSampler, live_tensor_bytes, rotated, slowest
+from minidist_tools.report import (all_plots, base_of, build_rows, console_table, environment_info, regressions,
+                                   targets_lines, variant_options, write_outputs)
 
 
 @dataclass
@@ -271,9 +272,6 @@ def validate_each(cfg, world_size: int, run_dir: Path) -> None:
 
 def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
     """Rank 0's (or the launching process's) last part: every output, the console table, the status."""
-    from minidist_tools.report import all_plots
-    from minidist_tools.report import (build_rows, console_table, environment_info, regressions, targets_lines,
-                                         write_outputs)
     from minidist.profiling import write_chrome_trace
 
     rows = build_rows(results, cfg.compare)
@@ -346,8 +344,6 @@ def strategy_options(name: str, compare_cfg):
     compare.overrides.NAME on top."""
     from hydra import compose
     from omegaconf import OmegaConf
-
-    from minidist_tools.report import base_of, variant_options
 
     variants = compare_cfg.get("variants") or {}
     options = compose(config_name="train", overrides=[f"strategy={base_of(name, variants)}"]).strategy

@@ -18,8 +18,8 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from minidist_tools.benchmarking import bootstrap_median_ci
 from minidist.train.strategies import reference_for, spec
+from minidist_tools.benchmarking import bootstrap_median_ci
 
 
 WIRE_OPTIONS = ("grad_wire", "param_wire", "outer_wire")
