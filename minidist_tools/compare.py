@@ -241,7 +241,7 @@ def check_strategies(cfg) -> None:
     if any(spec(base_of(n, variants)).kind == "deepspeed" for n in names):
         import torch
 
-        from minidist.train.strategies.deepspeed import import_deepspeed
+        from minidist_tools.deepspeed import import_deepspeed
 
         gpu = torch.cuda.is_available() and str(cfg.launcher.backend) != "gloo"
         import_deepspeed("cuda" if gpu else "cpu")  # a ConfigError saying how to install it, if missing

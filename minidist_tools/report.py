@@ -20,6 +20,7 @@ import torch
 
 from minidist.train.strategies import reference_for, spec
 from minidist_tools.benchmarking import bootstrap_median_ci
+from minidist_tools.theory import wire_bytes
 
 
 WIRE_OPTIONS = ("grad_wire", "param_wire", "outer_wire")
@@ -48,9 +49,8 @@ def theoretical_bytes(strategy: str, psi: int, n: int, element_bytes: int = 4, s
     strategy's config, where an option changes what it sends (DiLoCo's strategy.inner) or what
     it sends it as (grad_wire, param_wire, outer_wire), or how often (accumulate); `micro_batches`
     per optimizer step (trainer.grad_accum)."""
-    return spec(strategy).for_options(options).wire_bytes(psi, n, shard=shard, element_bytes=element_bytes,
-                                                          sync_every=sync_every, options=options,
-                                                          micro_batches=micro_batches)
+    return wire_bytes(spec(strategy).for_options(options), psi, n, shard=shard, element_bytes=element_bytes,
+                      sync_every=sync_every, options=options, micro_batches=micro_batches)
 
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -416,7 +416,7 @@ def environment_info(backend: str) -> dict:
     import os
     import platform
 
-    from minidist.train.strategies.deepspeed import deepspeed_version
+    from minidist_tools.deepspeed import deepspeed_version
 
     return {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "deepspeed": deepspeed_version() or "not installed", "backend": backend}

@@ -58,8 +58,9 @@ def formula_bytes(strategy: str, psi: int, n: int) -> int:
     """Model-state bytes per rank the ZeRO paper gives for fp32 parameters and Adam (k = 8),
     from the strategy's spec (its ZeRO stage)."""
     from minidist.train.strategies import spec
+    from minidist_tools.theory import model_state_bytes
 
-    return int(spec(strategy).model_state_bytes(psi, n, precision="fp32"))
+    return int(model_state_bytes(spec(strategy), psi, n, precision="fp32"))
 
 
 def _train(strategy, sizes: list[int], steps: int):

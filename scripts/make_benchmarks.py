@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from minidist_tools.benchmarking import variant_spec  # noqa: E402
 from minidist_tools.report import save_figure  # noqa: E402  (sets matplotlib's Agg backend)
+from minidist_tools.theory import model_state_bytes  # noqa: E402
 from minidist_tools.report import (bytes_table, interval, markdown_table, memory_table, speed_verdict,  # noqa: E402
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
@@ -392,7 +393,7 @@ def accumulate_section(r: dict) -> list[str]:
                      f"({mib(a['peak_bytes'] - b['peak_bytes'])} less)" +
                      (f"; {rs:.2f}x the reduce_scatter bytes" if rs else "") +
                      f"; step time {b['time_ratio']:.3f}{interval(b)} of local's.")
-    zero2 = rows["zero2"]["model_state_bytes"]["total"] / variant_spec("zero2").model_state_bytes(psi, n)
+    zero2 = rows["zero2"]["model_state_bytes"]["total"] / model_state_bytes(variant_spec("zero2"), psi, n)
     return [
         "## Accumulation: full gradients or the shard",
         "",

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from minidist.comm.wire import QUANT_BLOCK
     from minidist.train.strategies import spec
+    from minidist_tools.theory import wire_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=400)
@@ -78,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     def theory_of(r: dict) -> float:  # each rank a worker: shard groups of 1; the wire its options set
         s = spec(r["overrides"][0].split("=")[1])
         options = dict(o.removeprefix("strategy.").split("=", 1) for o in r["overrides"][1:])
-        return sum(s.wire_bytes(psi, n, shard=1 if s.hybrid else None, sync_every=r["sync_every"],
-                                options={**options, "quant_block": QUANT_BLOCK}).values())
+        return sum(wire_bytes(s, psi, n, shard=1 if s.hybrid else None, sync_every=r["sync_every"],
+                              options={**options, "quant_block": QUANT_BLOCK}).values())
     theory = {r["variant"]: theory_of(r) for r in runs}
     command = "python scripts/measure_diloco.py" + ("" if a.steps == 400 else f" --steps {a.steps}") + \
         ("" if tuple(a.sync_every) == DEFAULT_H else f" --sync-every {' '.join(map(str, a.sync_every))}")

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from minidist.comm.wire import QUANT_BLOCK
     from minidist.train.strategies import spec
+    from minidist_tools.theory import wire_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, nargs="+", default=[200, 400])
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                              "parameters": s["parameters"], "world_size": s["config"]["world_size"]})
     psi, n = runs[0]["parameters"], runs[0]["world_size"]
     int8 = {"grad_wire": "int8", "param_wire": "int8", "quant_block": QUANT_BLOCK}
-    theory = {"plain": spec("zero3").wire_bytes(psi, n), "int8": spec("zero3").wire_bytes(psi, n, options=int8)}
+    theory = {"plain": wire_bytes(spec("zero3"), psi, n), "int8": wire_bytes(spec("zero3"), psi, n, options=int8)}
     command = "python scripts/measure_wires.py" + ("" if a.steps == [200, 400] else f" --steps {' '.join(map(str, a.steps))}")
     record(Path(a.out), {"model": "gpt_nano", "strategy": "zero3", "quant_block": QUANT_BLOCK, "theory": theory,
                          "runs": runs}, provenance(command, torch.__version__))

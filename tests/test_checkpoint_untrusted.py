@@ -168,6 +168,7 @@ def test_a_dcp_item_that_would_run_code_is_refused_before_dcp_unpickles_it(saved
 
     from minidist.train import checkpoint_safety
     from minidist.train.config import CheckpointRefused
+    from minidist_tools.native import read_full
 
     ckpt = saved_dcp / "checkpoints" / "step_00000004" / "dcp"
     folder = tmp_path / "dcp"
@@ -187,5 +188,5 @@ def test_a_dcp_item_that_would_run_code_is_refused_before_dcp_unpickles_it(saved
         (folder / where.relative_path).write_bytes(bytes(data) + blob)
         (folder / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointRefused, match="param_groups.0.lr in a torch.distributed.checkpoint folder holds"):
-        checkpoint_safety.read_full(folder)
+        read_full(folder)
     assert not (tmp_path / "ran").exists()

@@ -154,7 +154,7 @@ def test_strategy_list_checks(override, message):
 def test_deepspeed_missing_names_the_install(tmp_path, monkeypatch):
     import builtins
 
-    from minidist.train.strategies.deepspeed import import_deepspeed
+    from minidist_tools.deepspeed import import_deepspeed
     from minidist.train.config import ConfigError
 
     real_import = builtins.__import__
@@ -298,6 +298,7 @@ def test_variant_checks(override, message):
 def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
     from minidist_tools.report import reference_of
     from minidist_tools.report import base_of, compressed
+    from minidist_tools.theory import wire_bytes
     from minidist.train.strategies import spec
 
     variants = {"zero3_int8": {"of": "zero3", "grad_wire": "int8"}}
@@ -306,11 +307,11 @@ def test_variants_resolve_to_their_strategy_and_are_checked_by_the_loss():
     assert reference_of("zero3_int8", ["zero3_int8", "native_fsdp"], {}, variants) == "native_fsdp"  # zero3's
     assert compressed({"grad_wire": "int8"}) and not compressed({"grad_wire": None, "comm_hook": "bf16"})
     # the theory prices each collective at its wire's bytes: int8 with a 4-byte scale per block, bf16 half of fp32
-    plain = spec("zero3").wire_bytes(4096, 4)
-    wired = spec("zero3").wire_bytes(4096, 4, options={"grad_wire": "int8", "param_wire": "bf16", "quant_block": 256})
+    plain = wire_bytes(spec("zero3"), 4096, 4)
+    wired = wire_bytes(spec("zero3"), 4096, 4, options={"grad_wire": "int8", "param_wire": "bf16", "quant_block": 256})
     assert wired["reduce_scatter"] / plain["reduce_scatter"] == pytest.approx((1 + 4 / 256) / 4)
     assert wired["all_gather"] / plain["all_gather"] == 0.5
     # DiLoCo, each rank a worker: its outer all_reduce travels as outer_wire
-    outer = spec("diloco").wire_bytes(4096, 4, shard=1, options={"outer_wire": "int8", "quant_block": 256})
-    assert outer["all_reduce"] / spec("diloco").wire_bytes(4096, 4, shard=1)["all_reduce"] == \
+    outer = wire_bytes(spec("diloco"), 4096, 4, shard=1, options={"outer_wire": "int8", "quant_block": 256})
+    assert outer["all_reduce"] / wire_bytes(spec("diloco"), 4096, 4, shard=1)["all_reduce"] == \
         pytest.approx((1 + 4 / 256) / 4)

@@ -30,6 +30,7 @@ import torch
 from minidist.parallel.diloco import DiLoCo, split_evenly
 from minidist.train.checkpoint import consolidate, list_checkpoints
 from minidist.train.strategies import spec
+from minidist_tools.theory import model_state_bytes, sharded_over, wire_bytes
 from train_cases import tiny, train_or_error
 
 PLAIN_OUTER = ("strategy.outer_lr=1.0", "strategy.outer_momentum=0.0")
@@ -185,7 +186,7 @@ def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
     s = spec("diloco").for_options({"inner": inner})
     for rank, r in enumerate(out):
         n_params = r["summary"]["parameters"]
-        theory = s.wire_bytes(n_params, 4, shard=2, sync_every=4)
+        theory = wire_bytes(s, n_params, 4, shard=2, sync_every=4)
         measured = {op: r["summary"].get(f"comm/{op}_bytes_per_step", 0.0) for op in theory}
         # nothing the theory leaves out (but DataParallel's broadcast of the buffers, which no spec prices)
         assert set(theory) == {op for op in ("all_reduce", "reduce_scatter", "all_gather")
@@ -199,11 +200,11 @@ def test_bytes_and_outer_state_are_the_specs_measured(inner, ranks, tmp_path):
         # outer weights and momentum: 2 fp32 slices of Psi/S (each fragment padded to a multiple of S,
         # or each flat shard under ZeRO)
         assert r["memory"]["outer_state"] == pytest.approx(2 * 4 * n_params / 2, rel=0.01)
-        sharded = 2 if s.sharded_over("optimizer") else 1
+        sharded = 2 if sharded_over(s, "optimizer") else 1
         assert r["memory"]["optimizer_state"] == pytest.approx(8 * n_params / sharded, rel=0.01)
         # the theory: the inner strategy's state on a worker of 2 ranks, plus the outer state
-        assert s.model_state_bytes(n_params, 4, shard=2) == \
-            pytest.approx(spec(inner).model_state_bytes(n_params, 2) + 2 * 4 * n_params / 2)
+        assert model_state_bytes(s, n_params, 4, shard=2) == \
+            pytest.approx(model_state_bytes(spec(inner), n_params, 2) + 2 * 4 * n_params / 2)
 
 
 @pytest.mark.slow(stand_in="test_diloco.py::test_bytes_and_outer_state_are_the_specs_measured[ddp]")

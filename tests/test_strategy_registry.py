@@ -197,25 +197,27 @@ def test_the_scan_finds_a_spelled_name(tmp_path):
                                                ("ds_zero2", (4, 12))])
 def test_model_state_is_the_zero_papers(name, stage_bytes):
     from minidist.train.strategies import spec
+    from minidist_tools.theory import model_state_bytes
 
     whole, sharded = stage_bytes  # fp32 + Adam: bytes per parameter kept whole, and sharded over n
-    assert spec(name).model_state_bytes(1000, 4) == whole * 1000 + sharded * 1000 / 4
-    assert spec(name).model_state_bytes(1000, 4, precision="mixed") == pytest.approx(
+    assert model_state_bytes(spec(name), 1000, 4) == whole * 1000 + sharded * 1000 / 4
+    assert model_state_bytes(spec(name), 1000, 4, precision="mixed") == pytest.approx(
         {0: 16, 1: 4 + 12 / 4, 2: 2 + 14 / 4, 3: 16 / 4}[spec(name).zero_stage] * 1000)
 
 
 def test_hybrid_theory_needs_the_shard_size_and_splits_the_traffic():
     from minidist.train.strategies import spec
+    from minidist_tools.theory import op_group_sizes, wire_bytes
 
-    assert spec("hsdp2").wire_bytes(1000, 4) == {}
+    assert wire_bytes(spec("hsdp2"), 1000, 4) == {}
     # 2 replicas x 2 shard ranks: ZeRO within the pair, 2 (R-1)/R x 4 psi / S across
-    assert spec("ddp_hierarchical").wire_bytes(1000, 4, shard=2) == {"reduce_scatter": 2000.0, "all_gather": 2000.0,
+    assert wire_bytes(spec("ddp_hierarchical"), 1000, 4, shard=2) == {"reduce_scatter": 2000.0, "all_gather": 2000.0,
                                                                      "all_reduce": 2000.0}
-    assert spec("native_zero1").wire_bytes(1000, 4) == {"all_reduce": 6000.0, "broadcast": 4000.0}
+    assert wire_bytes(spec("native_zero1"), 1000, 4) == {"all_reduce": 6000.0, "broadcast": 4000.0}
     # what a trace without groups is priced with: each op's group, from the same declaration
-    assert spec("native_hsdp").op_group_sizes(8, 4) == {"reduce_scatter": 4, "all_gather": 4, "all_reduce": 2}
-    assert spec("ddp").op_group_sizes(4, None) == {"all_reduce": 4}
-    assert spec("hsdp3").op_group_sizes(4, None) == {}
+    assert op_group_sizes(spec("native_hsdp"), 8, 4) == {"reduce_scatter": 4, "all_gather": 4, "all_reduce": 2}
+    assert op_group_sizes(spec("ddp"), 4, None) == {"all_reduce": 4}
+    assert op_group_sizes(spec("hsdp3"), 4, None) == {}
 
 
 # -- one place for a strategy's defaults ----------------------------------------------------------
@@ -236,7 +238,7 @@ def test_each_config_holds_the_options_its_spec_takes_and_code_reads_the_same(na
     composed = compose_cfg([f"strategy={name}"]).strategy
     assert composed.name == name
     check_options(composed)  # every key one it takes...
-    assert set(composed) - {"name"} == set(spec(name).options)  # ...and every option it takes has its default there
+    assert set(composed) - {"name", "module"} == set(spec(name).options)  # ...and every option it takes has its default there
     assert OmegaConf.to_container(strategy_options(name)) == OmegaConf.to_container(composed)
 
 

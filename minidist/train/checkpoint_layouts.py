@@ -1,8 +1,9 @@
 """The ways a checkpoint folder holds a strategy's state, each one class that saves, loads, reports
-the saved shapes and consolidates: full, sharded, deepspeed, dcp and workers (a strategy spec's
-`checkpoint`; meta.pt's `layout`). Every layout but DeepSpeed's also gives a portable form that a
-run of another strategy or world size loads. The files of each: docs/internals.md,
-"train/checkpoint_layouts.py".
+the saved shapes and consolidates: full, sharded and workers here; dcp and deepspeed registered
+by the reference strategies' plugins (minidist_tools/native.py, deepspeed.py) through
+register_layout (a strategy spec's `checkpoint`; meta.pt's `layout`). Every layout but DeepSpeed's
+also gives a portable form that a run of another strategy or world size loads. The files of each:
+docs/internals.md, "train/checkpoint_layouts.py".
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from pathlib import Path
 import torch
 
 from minidist.parallel.flat_shard import assemble, full_parameters, merged_pieces
-from minidist.train.checkpoint_safety import load_tensors, save_tensors, verify_checkpoint_files
+from minidist.train.checkpoint_safety import load_tensors, save_tensors
 
 MODEL = "model.pt"
 OPTIMIZER = "optimizer.pt"
 LAYOUT = "layout.pt"
-DEEPSPEED = "deepspeed"
-DCP = "dcp"
 
 
 def shard_path(directory: Path, rank: int) -> Path:
@@ -147,85 +146,6 @@ class Sharded(Collected):
         return f"sharded: {self.shards(meta)} shard file(s)"
 
 
-class DeepSpeedLayout:
-    """DeepSpeed's engine writes and reads its own folder; our model.pt beside it consolidates."""
-
-    name = "deepspeed"
-
-    collect = None  # DeepSpeed's engine writes its own files (and communicates while it does): save only
-    writer = "DeepSpeed's engine"
-
-    def save(self, strategy, directory: Path) -> None:
-        model = strategy.full_state_dict()  # a collective at stage 3
-        if strategy.ctx.rank == 0:
-            save_tensors(model, directory / MODEL)
-        strategy.engine.save_checkpoint(str(directory / DEEPSPEED), tag="state", save_latest=False)
-
-    def load(self, strategy, directory: Path, meta: dict) -> None:
-        # DeepSpeed's loader unpickles without restriction: first prove every file holds only
-        # tensors, containers and DeepSpeed's three plain classes (checkpoint_safety.py).
-        verify_checkpoint_files(directory)
-        path, _ = strategy.engine.load_checkpoint(str(directory / DEEPSPEED), tag="state",
-                                                  load_lr_scheduler_states=False)
-        if path is None:
-            raise FileNotFoundError(f"{directory / DEEPSPEED}: no DeepSpeed checkpoint there")
-
-    shapes = Full.shapes
-    consolidate = Full.consolidate
-
-    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
-        from minidist.train.config import ConfigError
-
-        raise ConfigError(f"{ckpt} is DeepSpeed's own checkpoint (its optimizer state partitioned its way): it "
-                          f"resumes only as strategy={meta['strategy']} at {meta['world_size']} ranks; to start another "
-                          "strategy from its weights, consolidate it (minidist checkpoint consolidate)")
-
-    def describe(self, meta: dict) -> str:
-        return f"DeepSpeed's own ({DEEPSPEED}/) and a full state_dict ({MODEL})"
-
-
-class Distributed:
-    """torch.distributed.checkpoint's folder: every rank writes its own shards, nothing is gathered
-    to one rank; DCP re-cuts them for any world size or mesh at load. Its state dict is
-    {"model": get_model_state_dict, "optim": get_optimizer_state_dict}, so read whole (no
-    process group) it is the portable form itself."""
-
-    name = "dcp"
-
-    collect = None  # DCP plans the write across the ranks (collectives) as it saves: save only
-    writer = "torch.distributed.checkpoint"
-
-    def save(self, strategy, directory: Path) -> None:
-        from minidist.train import checkpoint_safety
-
-        checkpoint_safety.save(strategy.dcp_state_dict(), Path(directory) / DCP)
-        if strategy.ctx.rank == 0:  # the module's key order, which DCP's metadata does not keep
-            save_tensors(state_dict_layout(strategy.net), Path(directory) / LAYOUT)
-
-    def load(self, strategy, directory: Path, meta: dict) -> None:
-        strategy.load_dcp(Path(directory) / DCP)
-
-    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
-        from minidist.train import checkpoint_safety
-
-        return checkpoint_safety.saved_shapes(Path(ckpt) / DCP, "model.")
-
-    def consolidate(self, ckpt: Path, meta: dict) -> dict:
-        from minidist.train import checkpoint_safety
-
-        model = checkpoint_safety.read_full(Path(ckpt) / DCP, only={"model"})["model"]  # the optimizer's state unread
-        return {key: model[key] for key in load_tensors(Path(ckpt) / LAYOUT)["order"]}
-
-    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
-        from minidist.train import checkpoint_safety
-
-        state = checkpoint_safety.read_full(Path(ckpt) / DCP)
-        return state["model"], state["optim"]
-
-    def describe(self, meta: dict) -> str:
-        return f"torch.distributed.checkpoint's own ({DCP}/: a file per rank, nothing gathered) and {LAYOUT}"
-
-
 def named_optimizer_state(optim: dict, names: list[str]) -> dict:
     """A torch optimizer's state_dict keyed by parameter name (`names`: the parameters in its
     numbering, unless its groups name theirs; a state keyed by name already stays so)."""
@@ -310,25 +230,38 @@ def fragment_names(trained: list[str], fragments) -> list[list[str]]:
     return out
 
 
-LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), DeepSpeedLayout(), Distributed(), Workers())}
+LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), Workers())}
 
 
-def layout_for(strategy) -> Full | Sharded | DeepSpeedLayout | Distributed | Workers:
+def register_layout(layout) -> None:
+    """Add a layout (an object with name, save, load, shapes, consolidate, portable, describe; and
+    collect, or collect = None where its library writes the files itself): a plugin's own format."""
+    LAYOUTS[layout.name] = layout
+
+
+def _layout(name: str):
+    from minidist.train.strategies import specs
+
+    specs()  # the registry's families, which register their layouts, loaded
+    return LAYOUTS[name]
+
+
+def layout_for(strategy):
     """The layout a strategy's checkpoints use: its spec's `checkpoint`."""
-    return LAYOUTS[strategy.spec.checkpoint if strategy.spec is not None else "full"]
+    return _layout(strategy.spec.checkpoint if strategy.spec is not None else "full")
 
 
-def layout_of(meta: dict) -> Full | Sharded | DeepSpeedLayout | Distributed | Workers:
+def layout_of(meta: dict):
     """The layout a checkpoint was written in (meta.pt's `layout`; older ones said `sharded`, and
     DeepSpeed's were told apart by their strategy)."""
     from minidist.train.config import ConfigError
     from minidist.train.strategies import spec
 
     if "layout" in meta:
-        return LAYOUTS[meta["layout"]]
+        return _layout(meta["layout"])
     if meta.get("sharded"):
         return LAYOUTS["sharded"]
     try:
-        return LAYOUTS[spec(meta["strategy"]).checkpoint]
+        return _layout(spec(meta["strategy"]).checkpoint)
     except ConfigError:  # a strategy this process does not know: its full state_dict is what is readable
         return LAYOUTS["full"]

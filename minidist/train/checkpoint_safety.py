@@ -1,5 +1,5 @@
 """Opening a checkpoint never runs code and never trusts a file: only tensors and plain containers,
-read with torch's restricted unpickler (weights_only=True); DCP and DeepSpeed folders read safely.
+read with torch's restricted unpickler (weights_only=True); DCP's metadata and DeepSpeed's files too.
 
     state = load_tensors(path)                 # CheckpointRefused (a ConfigError) names the file
     verify_checkpoint_files(ckpt)              # its manifest, then every file, before anything loads
@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
 import pickle
 import shutil
 import stat
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -179,91 +177,6 @@ def read_metadata(folder: Path):
     except Exception as e:  # noqa: BLE001 - a truncated or garbled file fails in any way
         raise CheckpointRefused(f"{path} could not be read ({e.__class__.__name__}: {str(e)[:160]}): the checkpoint is "
                                 "truncated or not torch.distributed.checkpoint's; resume from another one") from e
-
-
-def _reader(folder: Path):
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            metadata = read_metadata(self.path)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(folder))
-
-
-def _safe_bytes(planner_class):
-    """`planner_class` whose non-tensor items must first load under torch's restricted unpickler."""
-
-    class SafeBytes(planner_class):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            try:
-                torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                detail = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e)[:160])
-                raise CheckpointRefused(f"{read_item.dest_index.fqn} in a torch.distributed.checkpoint folder holds "
-                                        f"Python objects other than plain values ({detail[:160]}); "
-                                        "nothing in it was run; do not resume from this checkpoint") from e
-            value.seek(0)
-            super().load_bytes(read_item, value)  # DCP's own, given bytes proven to resolve nothing else
-
-    return SafeBytes
-
-
-def _refusals_raised(load) -> None:
-    """Run `load`; a refusal of ours inside DCP (which wraps every rank's errors in one
-    CheckpointException) is raised as itself, on every rank."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        load()
-    except CheckpointException as e:
-        for exc, _ in e.failures.values():  # (the exception, its stack) per failed rank
-            if isinstance(exc, CheckpointRefused):
-                raise exc from None
-        raise
-
-
-def save(state: dict, folder: Path) -> None:
-    """Every rank writes its own shards of `state` into `folder`; rank 0 the metadata. A collective."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)))
-
-
-def load_into(state: dict, folder: Path) -> None:
-    """Fill `state` (this run's sharded state dict) from `folder`, at any world size. A collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    _refusals_raised(lambda: dcp.load(state, storage_reader=_reader(folder), planner=_safe_bytes(DefaultLoadPlanner)()))
-
-
-def read_full(folder: Path, only: set[str] | None = None) -> dict:
-    """The whole state `folder` holds (`only`: just these top-level keys, e.g. {"model"}), as
-    plain tensors and values, in this process alone."""
-    # DCP's own planner that builds the state from the metadata, and the loader that fills the dict
-    # it is given (dcp.load fills a copy): what torch's format_utils.dcp_to_torch_save uses.
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict = {}
-    with warnings.catch_warnings():  # no process group is the point here, not a mistake to warn of
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        _refusals_raised(lambda: _load_state_dict(state, storage_reader=_reader(folder),
-                                                  planner=_safe_bytes(_EmptyStateDictLoadPlanner)(keys=only),
-                                                  no_dist=True))
-    return state
-
-
-def saved_shapes(folder: Path, prefix: str) -> dict[str, tuple]:
-    """{key: shape} of the tensors saved under `prefix` (e.g. "model."), from the metadata alone."""
-    return {key[len(prefix):]: tuple(md.size) for key, md in read_metadata(folder).state_dict_metadata.items()
-            if key.startswith(prefix) and hasattr(md, "size")}
 
 
 DEEPSPEED_DIR = "deepspeed"  # where the ds_zero* strategies keep DeepSpeed's own files

@@ -63,6 +63,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from minidist.train.strategies import spec, specs
+from minidist_tools.theory import model_state_bytes
 
 
 
@@ -289,8 +290,8 @@ def diloco_crossover(params: float, hosts: int, c: Cluster, compute_s: float, *,
 def state_bytes_per_rank(strategy: str, params: float, hosts: int, per_host: int, shard: int | None = None,
                          options=None) -> float:
     """Model state per rank (mixed precision + Adam), the ZeRO paper's formulas with K = 12."""
-    return spec(strategy).for_options(options).model_state_bytes(params, hosts * per_host, shard or per_host,
-                                                                 precision="mixed")
+    return model_state_bytes(spec(strategy).for_options(options), params, hosts * per_host, shard or per_host,
+                             precision="mixed")
 
 
 def inner_strategies(strategy: str) -> list[str]:

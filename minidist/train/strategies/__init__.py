@@ -1,10 +1,9 @@
 """Every data-parallel strategy behind one interface (base.py), each declared once by a spec
-in the registry (registry.py): minidist's own (ours.py), native PyTorch's (native.py)
-and DeepSpeed's (deepspeed.py, optional).
+in the registry (registry.py): minidist's own (ours.py); native PyTorch's and DeepSpeed's
+(optional) are plugins in minidist_tools/ (native.py, deepspeed.py) their configs name.
 
     from minidist.train.strategies import build_strategy, spec, names
     strategy = build_strategy(cfg.strategy, ctx, precision)
-    spec("zero2").wire_bytes(psi, n), spec("zero2").model_state_bytes(psi, n)
 
 Adding a strategy: a Strategy subclass and register(StrategySpec(...)) in one module, and its
 defaults in configs/strategy/NAME.yaml (docs/trainer.md: "Adding a strategy").

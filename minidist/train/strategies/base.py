@@ -1,5 +1,5 @@
 """The interface every data-parallel strategy implements, so the trainer has one loop, and the
-helpers the strategy families (ours.py, native.py, deepspeed.py) share.
+helpers the strategy families (ours.py; minidist_tools/native.py, deepspeed.py) share.
 
     strategy = build_strategy(cfg.strategy, ctx)
     model, optimizer = strategy.wrap(net, torch.optim.AdamW, {"lr": 3e-4})

@@ -1,11 +1,11 @@
 """What a strategy is, declared once (StrategySpec), and every strategy by name.
 
     register(StrategySpec(name="mine", kind="minidist", factory=Mine, summary="...", options=(...)))
-    spec("zero2").wire_bytes(psi=1000, n=4)   # ring-model bytes each rank sends per step, by op
     strategy = build_strategy(cfg.strategy, ctx, precision)
 
-The theory of bytes and memory comes from two declarations, `collectives` and `zero_stage`; the
-families shipped (ours, native, deepspeed) are imported by name on first use. Both:
+A spec declares what a step sends (`collectives`) and what is sharded (`zero_stage`); the tools
+price both (minidist_tools/theory.py). The shipped families (ours; the references, plugins in
+minidist_tools that their configs name) are imported by name on first use. Both:
 docs/internals.md, "train/strategies/registry.py".
 """
 
@@ -15,8 +15,6 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-from minidist import comm
-from minidist.comm.wire import QUANT_BLOCK, Wire
 from minidist.train.config import ConfigError, config_dir
 
 
@@ -24,15 +22,6 @@ KINDS = ("minidist", "native", "deepspeed")
 CHECKPOINTS = ("full", "sharded", "deepspeed", "dcp", "workers")
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 GROUPS = ("world", "shard", "replicas")
-
-# Bytes per parameter of each part of the model state, Adam (two moments):
-#   fp32: 4-byte parameters and gradients, 8 bytes of moments;
-#   mixed: the ZeRO paper's mixed precision, 2 + 2 bytes and K = 12 (fp32 master copy + moments).
-STATE_BYTES = {"fp32": {"parameters": 4, "gradients": 4, "optimizer": 8},
-               "mixed": {"parameters": 2, "gradients": 2, "optimizer": 12}}
-# The part each ZeRO stage adds to what is sharded.
-SHARDED_FROM_STAGE = {"optimizer": 1, "gradients": 2, "parameters": 3}
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -137,84 +126,30 @@ class StrategySpec:
         itself, unless one of them changes its theory (`configured`)."""
         return self.configured(self, options) if self.configured is not None and options is not None else self
 
-    # -- theory
-    def group_sizes(self, n: int, shard: int | None) -> dict[str, int] | None:
-        """Ranks in each group on a world of n (None when a hybrid strategy's S is unknown)."""
-        if not self.hybrid:
-            return {"world": n}
-        if shard is None:
-            return None
-        return {"world": n, "shard": shard, "replicas": n // shard}
 
-    def op_group_sizes(self, n: int, shard: int | None) -> dict[str, int]:
-        """Ranks in the group each op of `collectives` runs on ({} where unknown): what a trace
-        whose events do not say their group (the profiler's c10d events) is priced with."""
-        sizes = self.group_sizes(n, shard)
-        if sizes is None:
-            return {}
-        ops = {c.op: sizes[c.group] for c in self.collectives}
-        if len(ops) != len({(c.op, c.group) for c in self.collectives}):
-            raise ValueError(f"StrategySpec {self.name!r}: an op on two groups; a trace cannot tell them apart")
-        return ops
-
-    def wire_bytes(self, psi: int, n: int, shard: int | None = None, element_bytes: float = 4,
-                   sync_every: int = 1, options=None, micro_batches: int = 1) -> dict[str, float]:
-        """Ring-model bytes one rank sends per optimizer step of `micro_batches`, per op ({} on one
-        rank, or for a hybrid strategy without `shard`, the size S of its shard groups); the
-        per-round collectives averaged over their round of `sync_every` steps. `options` (the
-        strategy's config): a collective whose wire option it sets is priced at that format's bytes
-        an element (quant_block's scales included), the others at `element_bytes`."""
-        sizes = self.group_sizes(n, shard)
-        if n <= 1 or sizes is None:
-            return {}
-        sharded = (options or {}).get("accumulate") == "sharded"
-        out: dict[str, float] = {}
-        for c in self.collectives:
-            g = sizes[c.group]
-            m = psi * wire_element_bytes(c.wire, options, element_bytes) / (shard if c.payload == "shard" else 1)
-            sent = comm.ring_bytes_sent(c.op, m, g)  # the ring model, as the CommTracer counts it
-            times = micro_batches if c.per_micro_batch or (sharded and c.wire == "grad_wire") else 1
-            if sent:
-                out[c.op] = out.get(c.op, 0.0) + times * c.count * sent / (sync_every if c.per_round else 1)
-        return out
-
-    def sharded_over(self, part: str) -> bool:
-        return self.zero_stage >= SHARDED_FROM_STAGE[part]
-
-    def model_state_bytes(self, psi: float, n: int, shard: int | None = None, precision: str = "fp32") -> float:
-        """Parameters + gradients + Adam's state per rank: each part whole, or 1/(ranks it is
-        sharded over) of it (the shard group's S for a hybrid strategy, the world's n otherwise)."""
-        over = (shard or n) if self.hybrid else n
-        outer = 4 * self.outer_copies * psi / ((shard or 1) if self.hybrid else 1)
-        return outer + sum(b * psi / (over if self.sharded_over(part) else 1)
-                           for part, b in STATE_BYTES[precision].items())
-
-
-def wire_element_bytes(wire: str | None, options, default: float) -> float:
-    """Bytes an element of a collective travelling as option `wire` sends under `options` (an
-    int8 wire's block scales included); `default` where the option is absent or null."""
-    name = (options or {}).get(wire) if wire is not None else None
-    if name is None:
-        return default
-    block = int((options or {}).get("quant_block") or QUANT_BLOCK)
-    return Wire(str(name), block=block).chunk_bytes(block) / block
-
-
-FAMILIES = ("minidist.train.strategies.ours", "minidist.train.strategies.native",
-            "minidist.train.strategies.deepspeed")
 # A minidist strategy whose own reference is not in a comparison is checked against this one
 # when it is there: every strategy trains the same model on the same data, so all should agree.
 STAND_IN_REFERENCE = "native_ddp"
 
 _SPECS: dict[str, StrategySpec] = {}
-_loaded = False
+_families: tuple[str, ...] = ()
+
+
+def families() -> tuple[str, ...]:
+    """The modules that register the shipped strategies: ours, and every module a shipped strategy
+    config names (`module:`): the references (native PyTorch's, DeepSpeed's) are plugins in
+    minidist_tools that register themselves through that seam, as a strategy of a user's does."""
+    import yaml
+
+    modules = [yaml.safe_load(p.read_text()).get("module") for p in sorted(CONFIG_DIR.glob("*.yaml"))]
+    return ("minidist.train.strategies.ours", *dict.fromkeys(m for m in modules if m))
 
 
 def _load_families() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True  # before importing: the families call register() while they load
-        for module in FAMILIES:
+    global _families
+    if not _families:
+        _families = families()  # before importing: the families call register() while they load
+        for module in _families:
             importlib.import_module(module)
 
 
@@ -239,16 +174,16 @@ def import_module_of(cfg) -> None:
 
 
 def names(kind: str | None = None) -> tuple[str, ...]:
-    """Registered strategy names in registration order (of one kind, when given)."""
+    """Registered strategy names in specs' order (of one kind, when given)."""
     return tuple(s.name for s in specs(kind))
 
 
 def specs(kind: str | None = None, shipped_only: bool = False) -> list[StrategySpec]:
-    """Registered specs in registration order: of one kind, when given; `shipped_only`: those
-    minidist's FAMILIES define (not one a script or test registered for itself)."""
+    """Registered specs by kind (KINDS' order), each kind in registration order: of one kind, when
+    given; `shipped_only`: those the shipped families define (not one a script or test registered)."""
     _load_families()
-    return [s for s in _SPECS.values() if (kind is None or s.kind == kind)
-            and (not shipped_only or s.factory.__module__ in FAMILIES)]
+    return sorted((s for s in _SPECS.values() if (kind is None or s.kind == kind)
+                   and (not shipped_only or s.factory.__module__ in _families)), key=lambda s: KINDS.index(s.kind))
 
 
 def unregister(name: str) -> None:

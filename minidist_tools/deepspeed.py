@@ -1,9 +1,11 @@
-"""DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface: a third party to compare
-with, optional (`pip install -e '.[deepspeed]'`), imported only when a ds_* strategy wraps a model.
+"""DeepSpeed's ZeRO (stages 1-3) behind the trainer's Strategy interface, and its checkpoint layout:
+a third party to compare with, optional (`pip install -e '.[deepspeed]'`), imported only when a
+ds_* strategy wraps a model. A plugin of the strategy registry: configs/strategy/ds_zero*.yaml
+name this module (`module: minidist_tools.deepspeed`).
 
     python recipes/train.py strategy=ds_zero3
 
-What the thin adapter does, and why: docs/internals.md, "train/strategies/deepspeed.py".
+What the thin adapter does, and why: docs/internals.md, "minidist_tools/deepspeed.py".
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 from minidist.measure import measure
+from minidist.train.checkpoint_layouts import MODEL, Full, register_layout
+from minidist.train.checkpoint_safety import DEEPSPEED_DIR, save_tensors, verify_checkpoint_files
 from minidist.train.config import ConfigError
 from minidist.train.strategies.base import Strategy
 from minidist.train.strategies.registry import StrategySpec, ZERO12, ZERO3, register
@@ -123,10 +128,10 @@ class DeepSpeedZero(Strategy):
         return state
 
     def optimizer_state_dict(self):
-        raise NotImplementedError("DeepSpeed's optimizer state is partitioned: see checkpoint_layouts.DeepSpeedLayout")
+        raise NotImplementedError("DeepSpeed's optimizer state is partitioned: see DeepSpeedLayout")
 
     def load_full_state_dict(self, state):
-        raise NotImplementedError("DeepSpeed checkpoints are its own: see checkpoint_layouts.DeepSpeedLayout")
+        raise NotImplementedError("DeepSpeed checkpoints are its own: see DeepSpeedLayout")
 
     def memory_report(self):
         """Live storages by category: the parameters this rank holds (stage 3: its partition),
@@ -142,6 +147,44 @@ class DeepSpeedZero(Strategy):
         grads += [p.grad for p in self.net.parameters() if p.grad is not None]
         state = [t for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return measure({"parameters": params, "gradients": grads, "optimizer_state": state + masters})
+
+
+class DeepSpeedLayout:
+    """DeepSpeed's engine writes and reads its own folder; our model.pt beside it consolidates."""
+
+    name = "deepspeed"
+
+    collect = None  # DeepSpeed's engine writes its own files (and communicates while it does): save only
+    writer = "DeepSpeed's engine"
+
+    def save(self, strategy, directory: Path) -> None:
+        model = strategy.full_state_dict()  # a collective at stage 3
+        if strategy.ctx.rank == 0:
+            save_tensors(model, directory / MODEL)
+        strategy.engine.save_checkpoint(str(directory / DEEPSPEED_DIR), tag="state", save_latest=False)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        # DeepSpeed's loader unpickles without restriction: first prove every file holds only
+        # tensors, containers and DeepSpeed's three plain classes (checkpoint_safety.py).
+        verify_checkpoint_files(directory)
+        path, _ = strategy.engine.load_checkpoint(str(directory / DEEPSPEED_DIR), tag="state",
+                                                  load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"{directory / DEEPSPEED_DIR}: no DeepSpeed checkpoint there")
+
+    shapes = Full.shapes
+    consolidate = Full.consolidate
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        raise ConfigError(f"{ckpt} is DeepSpeed's own checkpoint (its optimizer state partitioned its way): it "
+                          f"resumes only as strategy={meta['strategy']} at {meta['world_size']} ranks; to start another "
+                          "strategy from its weights, consolidate it (minidist checkpoint consolidate)")
+
+    def describe(self, meta: dict) -> str:
+        return f"DeepSpeed's own ({DEEPSPEED_DIR}/) and a full state_dict ({MODEL})"
+
+
+register_layout(DeepSpeedLayout())
 
 
 # -- the specs (registry.py says how they are read). DeepSpeed calls torch.distributed itself

@@ -1,4 +1,6 @@
-"""Native PyTorch's strategies, the references ours are checked against.
+"""Native PyTorch's strategies, the references ours are checked against, and the checkpoint layout
+two of them write (torch.distributed.checkpoint's, read safely). A plugin of the strategy
+registry: configs/strategy/native_*.yaml name this module (`module: minidist_tools.native`).
 
 | name         | what                                                                 | checkpoint |
 | native_ddp   | torch DistributedDataParallel                                        | full       |
@@ -13,12 +15,19 @@ the comparison counts it from the profiler's events.
 from __future__ import annotations
 
 import contextlib
+import io
+import pickle
+import warnings
+from pathlib import Path
 
 import torch
 
+from minidist.train.checkpoint_layouts import LAYOUT, load_tensors, register_layout, save_tensors, state_dict_layout
+from minidist.train.checkpoint_safety import CheckpointRefused, read_metadata
 from minidist.train.strategies.base import Strategy, mesh_dims
 from minidist.train.strategies.registry import (ACCUMULATE, ALL_REDUCE, Collective, StrategySpec, ZERO3, in_shard_groups,
                                                 register)
+from minidist_tools.theory import op_group_sizes
 
 
 class NativeDDP(Strategy):
@@ -140,10 +149,8 @@ class NativeFSDP(Strategy):
         """Load a torch.distributed.checkpoint folder saved at any world size or mesh. A collective."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        from minidist.train import checkpoint_safety
-
         state = self.dcp_state_dict()
-        checkpoint_safety.load_into(state, folder)
+        load_into(state, folder)
         set_model_state_dict(self.net, state["model"])
         set_optimizer_state_dict(self.net, self.optimizer, state["optim"])
 
@@ -162,8 +169,132 @@ class NativeHSDP(NativeFSDP):
         R, S = mesh_dims(self.cfg, self.ctx.world_size)
         device = "cuda" if self.ctx.device.type == "cuda" else "cpu"
         self.shard_size = S
-        self.op_group_sizes = self.spec.op_group_sizes(self.ctx.world_size, S)  # its collectives' groups
+        self.op_group_sizes = op_group_sizes(self.spec, self.ctx.world_size, S)  # its collectives' groups
         return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
+
+# -- reading and writing torch.distributed.checkpoint folders, safely
+def _reader(folder: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(folder))
+
+
+def _safe_bytes(planner_class):
+    """`planner_class` whose non-tensor items must first load under torch's restricted unpickler."""
+
+    class SafeBytes(planner_class):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                detail = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line), str(e)[:160])
+                raise CheckpointRefused(f"{read_item.dest_index.fqn} in a torch.distributed.checkpoint folder holds "
+                                        f"Python objects other than plain values ({detail[:160]}); "
+                                        "nothing in it was run; do not resume from this checkpoint") from e
+            value.seek(0)
+            super().load_bytes(read_item, value)  # DCP's own, given bytes proven to resolve nothing else
+
+    return SafeBytes
+
+
+def _refusals_raised(load) -> None:
+    """Run `load`; a refusal of ours inside DCP (which wraps every rank's errors in one
+    CheckpointException) is raised as itself, on every rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load()
+    except CheckpointException as e:
+        for exc, _ in e.failures.values():  # (the exception, its stack) per failed rank
+            if isinstance(exc, CheckpointRefused):
+                raise exc from None
+        raise
+
+
+def save(state: dict, folder: Path) -> None:
+    """Every rank writes its own shards of `state` into `folder`; rank 0 the metadata. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)))
+
+
+def load_into(state: dict, folder: Path) -> None:
+    """Fill `state` (this run's sharded state dict) from `folder`, at any world size. A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    _refusals_raised(lambda: dcp.load(state, storage_reader=_reader(folder), planner=_safe_bytes(DefaultLoadPlanner)()))
+
+
+def read_full(folder: Path, only: set[str] | None = None) -> dict:
+    """The whole state `folder` holds (`only`: just these top-level keys, e.g. {"model"}), as
+    plain tensors and values, in this process alone."""
+    # DCP's own planner that builds the state from the metadata, and the loader that fills the dict
+    # it is given (dcp.load fills a copy): what torch's format_utils.dcp_to_torch_save uses.
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    with warnings.catch_warnings():  # no process group is the point here, not a mistake to warn of
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        _refusals_raised(lambda: _load_state_dict(state, storage_reader=_reader(folder),
+                                                  planner=_safe_bytes(_EmptyStateDictLoadPlanner)(keys=only),
+                                                  no_dist=True))
+    return state
+
+
+def saved_shapes(folder: Path, prefix: str) -> dict[str, tuple]:
+    """{key: shape} of the tensors saved under `prefix` (e.g. "model."), from the metadata alone."""
+    return {key[len(prefix):]: tuple(md.size) for key, md in read_metadata(folder).state_dict_metadata.items()
+            if key.startswith(prefix) and hasattr(md, "size")}
+
+
+class Distributed:
+    """torch.distributed.checkpoint's folder (native_fsdp, native_hsdp): every rank writes its own
+    shards, nothing is gathered to one rank; DCP re-cuts them for any world size or mesh at load.
+    Its state dict is {"model": get_model_state_dict, "optim": get_optimizer_state_dict}, so read
+    whole (no process group) it is the portable form itself."""
+
+    name = "dcp"
+    FOLDER = "dcp"
+
+    collect = None  # DCP plans the write across the ranks (collectives) as it saves: save only
+    writer = "torch.distributed.checkpoint"
+
+    def save(self, strategy, directory: Path) -> None:
+        save(strategy.dcp_state_dict(), Path(directory) / self.FOLDER)
+        if strategy.ctx.rank == 0:  # the module's key order, which DCP's metadata does not keep
+            save_tensors(state_dict_layout(strategy.net), Path(directory) / LAYOUT)
+
+    def load(self, strategy, directory: Path, meta: dict) -> None:
+        strategy.load_dcp(Path(directory) / self.FOLDER)
+
+    def shapes(self, ckpt: Path, meta: dict) -> dict[str, tuple]:
+        return saved_shapes(Path(ckpt) / self.FOLDER, "model.")
+
+    def consolidate(self, ckpt: Path, meta: dict) -> dict:
+        model = read_full(Path(ckpt) / self.FOLDER, only={"model"})["model"]  # the optimizer's state unread
+        return {key: model[key] for key in load_tensors(Path(ckpt) / LAYOUT)["order"]}
+
+    def portable(self, ckpt: Path, meta: dict, names: list[str]) -> tuple[dict, dict]:
+        state = read_full(Path(ckpt) / self.FOLDER)
+        return state["model"], state["optim"]
+
+    def describe(self, meta: dict) -> str:
+        return f"torch.distributed.checkpoint's own ({self.FOLDER}/: a file per rank, nothing gathered) and {LAYOUT}"
+
+
+register_layout(Distributed())
+
 
 # -- the specs (registry.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers", "overlap",
