@@ -6,6 +6,8 @@ text, 4 samples per micro-batch, no progress bar. Rank functions run on the Rank
 
 from __future__ import annotations
 
+import copy
+import functools
 import sys
 from pathlib import Path
 
@@ -37,8 +39,15 @@ def tiny_overrides(*extra: str, strategy: str = "ddp") -> list[str]:
 
 
 def compose_cfg(overrides: list[str]):
+    """train.yaml with `overrides`, composed once per distinct list in a test run (the fast suite
+    asks for the same few dozens again and again); a copy each call, which the caller may change."""
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=list(overrides))
 
 
 def world_for(strategy: str) -> int:
