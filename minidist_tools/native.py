@@ -172,7 +172,9 @@ class NativeHSDP(NativeFSDP):
         self.op_group_sizes = op_group_sizes(self.spec, self.ctx.world_size, S)  # its collectives' groups
         return {"mesh": init_device_mesh(device, (R, S), mesh_dim_names=("replicate", "shard"))}
 
-# -- reading and writing torch.distributed.checkpoint folders, safely
+
+# -- reading and writing torch.distributed.checkpoint folders, safely (checkpoint_safety.py: the metadata)
+
 def _reader(folder: Path):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta

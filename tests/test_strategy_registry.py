@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import re
 import contextlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,26 @@ def test_every_registered_strategy_has_a_config_and_every_config_a_strategy():
     from minidist.train.strategies import specs
 
     assert {s.name for s in specs(shipped_only=True)} == set(yaml_strategies())
+
+
+def test_the_references_are_plugins_their_configs_name_and_one_that_does_not_import_spoils_no_other(
+        tmp_path, monkeypatch):
+    """The registry loads ours and every module a strategy config names (`module:`): the references
+    live in minidist_tools. A config naming a module that does not import leaves every other
+    strategy usable; asked for, that strategy's own lookup says why in one line."""
+    from minidist.train.strategies import registry, spec, specs
+
+    modules = registry.families()
+    assert modules[0] == "minidist.train.strategies.ours"
+    assert set(modules[1:]) == {"minidist_tools.native", "minidist_tools.deepspeed"}
+    configs = tmp_path / "strategy"
+    shutil.copytree(ROOT / "configs" / "strategy", configs)
+    (configs / "mine.yaml").write_text("name: mine\nmodule: no_such_package.mine\n")
+    monkeypatch.setattr(registry, "CONFIG_DIR", configs)
+    monkeypatch.setattr(registry, "_families", ())  # as in a fresh process
+    assert {s.name for s in specs(shipped_only=True)} == set(yaml_strategies()) - {"mine"}
+    with pytest.raises(ConfigError, match="strategy.module='no_such_package.mine' cannot be imported"):
+        spec("mine", OmegaConf.load(configs / "mine.yaml"))
 
 
 @pytest.mark.parametrize("name", yaml_strategies())

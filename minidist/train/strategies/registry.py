@@ -150,7 +150,11 @@ def _load_families() -> None:
     if not _families:
         _families = families()  # before importing: the families call register() while they load
         for module in _families:
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError:  # a config's plugin that does not import: asked for, spec() says why
+                if module == _families[0]:
+                    raise
 
 
 def register(spec: StrategySpec) -> StrategySpec:
