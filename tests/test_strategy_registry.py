@@ -250,6 +250,9 @@ def test_the_references_are_plugins_their_configs_name_and_one_that_does_not_imp
     assert {s.name for s in specs(shipped_only=True)} == set(yaml_strategies()) - {"mine"}
     with pytest.raises(ConfigError, match="strategy.module='no_such_package.mine' cannot be imported"):
         spec("mine", OmegaConf.load(configs / "mine.yaml"))
+    (configs / "broken.yaml").write_text("name: [unclosed\n")  # nor does a file that is not a config
+    with pytest.raises(ConfigError, match="broken.yaml is not a strategy config"):
+        registry.families()
 
 
 @pytest.mark.parametrize("name", yaml_strategies())

@@ -141,7 +141,12 @@ def families() -> tuple[str, ...]:
     minidist_tools that register themselves through that seam, as a strategy of a user's does."""
     import yaml
 
-    modules = [yaml.safe_load(p.read_text()).get("module") for p in sorted(CONFIG_DIR.glob("*.yaml"))]
+    modules = []
+    for path in sorted(CONFIG_DIR.glob("*.yaml")):
+        try:
+            modules.append((yaml.safe_load(path.read_text()) or {}).get("module"))
+        except (yaml.YAMLError, AttributeError) as e:  # (a list, a scalar: no keys)
+            raise ConfigError(f"{path} is not a strategy config ({e.__class__.__name__}): fix it or remove it") from None
     return ("minidist.train.strategies.ours", *dict.fromkeys(m for m in modules if m))
 
 
