@@ -222,7 +222,7 @@ def _refusals_raised(load) -> None:
         raise
 
 
-def save(state: dict, folder: Path) -> None:
+def save_dcp(state: dict, folder: Path) -> None:
     """Every rank writes its own shards of `state` into `folder`; rank 0 the metadata. A collective."""
     import torch.distributed.checkpoint as dcp
 
@@ -273,7 +273,7 @@ class Distributed:
     writer = "torch.distributed.checkpoint"
 
     def save(self, strategy, directory: Path) -> None:
-        save(strategy.dcp_state_dict(), Path(directory) / self.FOLDER)
+        save_dcp(strategy.dcp_state_dict(), Path(directory) / self.FOLDER)
         if strategy.ctx.rank == 0:  # the module's key order, which DCP's metadata does not keep
             save_tensors(state_dict_layout(strategy.net), Path(directory) / LAYOUT)
 
