@@ -28,6 +28,38 @@ def variant_spec(variant: str):
     return spec(variant)
 
 
+def split_variant(variant: str) -> tuple[str, str]:
+    """A benchmark variant -> (strategy name, collectives): "zero2_backend" is stage 2 with the
+    backend's reduce_scatter / all_gather, "zero2" stage 2 with collectives="auto"."""
+    return variant.removesuffix("_backend"), "backend" if variant.endswith("_backend") else "auto"
+
+
+def strategy_options(name: str, **overrides):
+    """configs/strategy/NAME.yaml as Hydra composes it, for code that builds strategies without
+    Hydra; keyword arguments override it where the strategy takes that key (so one sweep can
+    pass the same knobs to every strategy)."""
+    from omegaconf import OmegaConf
+
+    from minidist.train.strategies import spec
+
+    options = _yaml_config(name)
+    taken = set(spec(str(options.name)).options)
+    return OmegaConf.merge(options, {k: v for k, v in overrides.items() if k in taken})
+
+
+def _yaml_config(name: str):
+    from omegaconf import OmegaConf
+
+    from minidist.train.config import ConfigError, config_dir
+
+    path = config_dir() / "strategy" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"strategy={name!r} has no config {path}: add one (the strategy's defaults live there)")
+    node = OmegaConf.load(path)
+    parents = [d for d in node.pop("defaults", []) if d != "_self_"]  # the groups' own defaults: siblings
+    return OmegaConf.merge(*(_yaml_config(p) for p in parents), node) if parents else node
+
+
 def rotated(names: list[str], step: int) -> list[str]:
     """The variants in a different order each step, so none always runs first or last."""
     k = step % len(names)

@@ -18,7 +18,7 @@ from pathlib import Path
 import matplotlib
 import torch
 
-from minidist.train.strategies import reference_for, spec
+from minidist.train.strategies import names, spec
 from minidist_tools.benchmarking import bootstrap_median_ci
 from minidist_tools.theory import wire_bytes
 
@@ -58,6 +58,24 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 def kind(name: str, variants=None) -> str:
     return spec(base_of(name, variants or {})).kind
+
+
+# A minidist strategy whose own reference is not in a comparison is checked against this one
+# when it is there: every strategy trains the same model on the same data, so all should agree.
+STAND_IN_REFERENCE = "native_ddp"
+
+
+def reference_for(name: str, present: list[str], overrides: dict | None = None) -> str | None:
+    """What `name` is checked against in a comparison of `present`: compare.references[name] when
+    given, else its spec's reference; when that one is absent, the stand-in for a minidist
+    strategy; None when neither is present."""
+    known = name in names()
+    preferred = (overrides or {}).get(name) or (spec(name).reference if known else None)
+    if preferred in present and preferred != name:
+        return preferred
+    if known and spec(name).kind == "minidist" and STAND_IN_REFERENCE in present and name != STAND_IN_REFERENCE:
+        return STAND_IN_REFERENCE
+    return None
 
 
 def reference_of(name: str, names: list[str], references: dict, variants) -> str | None:

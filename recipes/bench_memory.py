@@ -28,9 +28,8 @@ import os
 import torch
 from omegaconf import DictConfig
 
-from minidist_tools.benchmarking import require_known, write_json
 from minidist.train.app import hydra_app, run_local
-from minidist.train.strategies import split_variant
+from minidist_tools.benchmarking import require_known, split_variant, write_json
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
               "zero1_backend", "zero2_backend", "zero3_backend"]
@@ -81,7 +80,7 @@ def _train(strategy, sizes: list[int], steps: int):
 
 
 def _options(strategy: str, bucket_cap_mb: float, collectives: str):
-    from minidist.train.strategies import strategy_options
+    from minidist_tools.benchmarking import strategy_options
 
     # min_unit_params=1: every Linear of the measured MLP is a stage-3 unit.
     return strategy_options(strategy, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True,

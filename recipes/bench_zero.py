@@ -27,12 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 
 import minidist
 from minidist import comm
-from minidist_tools.benchmarking import PeakSampler, paired_ratio, require_known, rotated, slowest, write_json
-from minidist.train.app import run_recipe
-from minidist_tools.benchmarking import live_tensor_bytes
+from minidist.train.app import hydra_app, run_recipe
 from minidist.train.models import GPT
-from minidist.train.strategies import build_strategy, split_variant, strategy_options
-from minidist.train.app import hydra_app
+from minidist.train.strategies import build_strategy
+from minidist_tools.benchmarking import (PeakSampler, live_tensor_bytes, paired_ratio, require_known, rotated, slowest,
+                                         split_variant, strategy_options, write_json)
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
             "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring

@@ -74,7 +74,7 @@ def test_example_strategy_trains_checkpoints_resumes_and_consolidates(ranks, tmp
 @pytest.mark.slow(stand_in="test_example_strategy_trains_checkpoints_resumes_and_consolidates")
 def test_example_strategy_takes_part_in_a_comparison(tmp_path):
     from minidist_tools.compare import check_strategies, launch
-    from minidist.train.strategies import strategy_options
+    from minidist_tools.benchmarking import strategy_options
 
     from hydra import compose, initialize_config_dir
 
@@ -257,7 +257,8 @@ def test_the_references_are_plugins_their_configs_name_and_one_that_does_not_imp
 
 @pytest.mark.parametrize("name", yaml_strategies())
 def test_each_config_holds_the_options_its_spec_takes_and_code_reads_the_same(name):
-    from minidist.train.strategies import check_options, spec, strategy_options
+    from minidist.train.strategies import check_options, spec
+    from minidist_tools.benchmarking import strategy_options
 
     composed = compose_cfg([f"strategy={name}"]).strategy
     assert composed.name == name

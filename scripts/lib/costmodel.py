@@ -84,7 +84,7 @@ def local_sgd_strategies() -> tuple[str, ...]:
 
 def default_sync_every(strategy: str) -> int:
     """strategy.sync_every as its YAML sets it (1 for a strategy without rounds)."""
-    from minidist.train.strategies import strategy_options
+    from minidist_tools.benchmarking import strategy_options
 
     return int(strategy_options(strategy).get("sync_every", 1)) if "sync_every" in spec(strategy).options else 1
 

@@ -12,8 +12,8 @@ defaults in configs/strategy/NAME.yaml (docs/trainer.md: "Adding a strategy").
 from minidist.train.strategies.base import (Strategy, agree_on_overflow, build_mesh, local_tensor, mesh_dims,
                                             step_unless_nonfinite)
 from minidist.train.strategies.registry import (Collective, StrategySpec, build_strategy, check_options, names,
-                                                reference_for, register, spec, specs, split_variant, strategy_options)
+                                                register, spec, specs)
 
 __all__ = ["Collective", "Strategy", "StrategySpec", "agree_on_overflow", "build_mesh", "build_strategy",
-           "check_options", "local_tensor", "mesh_dims", "names", "reference_for", "register", "spec",
-           "specs", "split_variant", "step_unless_nonfinite", "strategy_options"]
+           "check_options", "local_tensor", "mesh_dims", "names", "register", "spec",
+           "specs", "step_unless_nonfinite"]

@@ -127,10 +127,6 @@ class StrategySpec:
         return self.configured(self, options) if self.configured is not None and options is not None else self
 
 
-# A minidist strategy whose own reference is not in a comparison is checked against this one
-# when it is there: every strategy trains the same model on the same data, so all should agree.
-STAND_IN_REFERENCE = "native_ddp"
-
 _SPECS: dict[str, StrategySpec] = {}
 _families: tuple[str, ...] = ()
 
@@ -240,48 +236,5 @@ def build_strategy(cfg, ctx, precision: str = "fp32"):
     return strategy
 
 
-def reference_for(name: str, present: list[str], overrides: dict | None = None) -> str | None:
-    """What `name` is checked against in a comparison of `present`: compare.references[name] when
-    given, else its spec's reference; when that one is absent, the stand-in for a minidist
-    strategy; None when neither is present."""
-    _load_families()  # (asked first, the registry would not know the shipped strategies yet)
-    preferred = (overrides or {}).get(name) or (spec(name).reference if name in _SPECS else None)
-    if preferred in present and preferred != name:
-        return preferred
-    if name in _SPECS and _SPECS[name].kind == "minidist" and STAND_IN_REFERENCE in present and \
-            name != STAND_IN_REFERENCE:
-        return STAND_IN_REFERENCE
-    return None
-
-
-# The strategy configs (configs/strategy/NAME.yaml) are where every default lives; code that builds
-# a strategy without Hydra (benchmarks, measurements) reads the same files.
+# The strategy configs (configs/strategy/NAME.yaml): every default, and the module of a plugin's strategy.
 CONFIG_DIR = config_dir() / "strategy"
-
-
-def _yaml_config(name: str):
-    from omegaconf import OmegaConf
-
-    path = CONFIG_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"strategy={name!r} has no config {path}: add one (the strategy's defaults live there)")
-    node = OmegaConf.load(path)
-    parents = [d for d in node.pop("defaults", []) if d != "_self_"]  # the groups' own defaults: siblings
-    return OmegaConf.merge(*(_yaml_config(p) for p in parents), node) if parents else node
-
-
-def strategy_options(name: str, **overrides):
-    """configs/strategy/NAME.yaml as Hydra composes it, for code that builds strategies without
-    Hydra; keyword arguments override it where the strategy takes that key (so one sweep can
-    pass the same knobs to every strategy)."""
-    from omegaconf import OmegaConf
-
-    options = _yaml_config(name)
-    taken = set(spec(str(options.name)).options)
-    return OmegaConf.merge(options, {k: v for k, v in overrides.items() if k in taken})
-
-
-def split_variant(variant: str) -> tuple[str, str]:
-    """A benchmark variant -> (strategy name, collectives): "zero2_backend" is stage 2 with the
-    backend's reduce_scatter / all_gather, "zero2" stage 2 with collectives="auto"."""
-    return variant.removesuffix("_backend"), "backend" if variant.endswith("_backend") else "auto"
