@@ -26,12 +26,11 @@ from omegaconf import OmegaConf
 
 from minidist.dist import choose_backend, detect_launch, free_port, launch_rank
 from minidist.train.checkpoint import CheckpointWriteFailed
-from minidist.train.config import ConfigError, typed_keys
+from minidist.train.config import ConfigError, compose_fresh, config_dir, typed_keys
 from minidist.train.config_check import resume_notice, validate
 from minidist.train.resilience import dumps_line, enable_flight_recorder, read_records, report_failure, who_failed_first
 from minidist.train.run_files import OWNED, RunDirectoryInUse, RunDirectoryUnwritable, append_file, run_directory_lock
 from minidist.train.stop_signal import StopSignals, exit_status
-
 
 
 def under_launcher() -> bool:
@@ -102,7 +101,6 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     ranks start now: any that fails raises RanksFailed, and a signal to this process, passed on
     to them, raises Stopped once they have stopped."""
     if under_launcher():
-
         return {launch_rank(): fn(*args)}
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -139,8 +137,6 @@ def run_recipe(fn: Callable, cfg, path_keys: tuple[str, ...] = ()) -> None:
     `cfg` (a Hydra DictConfig or a dict) travels to the ranks as a plain dict; the
     `path_keys` given are made absolute first, so every rank writes to the same place.
     """
-    from omegaconf import OmegaConf
-
     cfg_dict = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
     for key in path_keys:
         if cfg_dict.get(key):
@@ -332,9 +328,6 @@ def run_app(config_name: str, body: Callable, argv: list[str], prog: str,
     ConfigError), so that a bad setting in any job is said, one line a job, before any launches."""
     import hydra
 
-    from minidist.dist import launch_rank
-    from minidist.train.config import config_dir
-
     sys.argv = [prog, *argv]
     if launch_rank() != 0:
         sys.argv.append("hydra/hydra_logging=disabled")  # Hydra's own lines come from rank 0 only
@@ -373,22 +366,13 @@ def run_app(config_name: str, body: Callable, argv: list[str], prog: str,
 def sweep_jobs(config_name: str, argv: list[str]) -> list[list[str]]:
     """The override list of every job a sweep runs, as Hydra's basic sweeper expands them (the
     command line's sweeps, and those the config itself declares under hydra.sweeper.params)."""
-    from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    from minidist.train.config import config_dir
 
     parser = OverridesParser.create()
     given = parser.parse_overrides([a for a in argv if not a.startswith("-")])
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            cfg = compose(config_name=config_name, overrides=[o.input_line for o in given if not o.is_sweep_override()],
-                          return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
+    cfg = compose_fresh(config_name, [o.input_line for o in given if not o.is_sweep_override()],
+                        return_hydra_config=True)
     declared = [f"{k}={v}" for k, v in (cfg.hydra.sweeper.get("params") or {}).items()]
     return [job for batch in BasicSweeper.split_arguments(parser.parse_overrides(declared) + given, None)
             for job in batch]
@@ -403,23 +387,13 @@ def job_name(num: int, overrides) -> str:
 def check_every_job(config_name: str, jobs: list[list[str]], precheck: Callable) -> None:
     """Compose each job of a sweep and `precheck` it; any job's ConfigError: one line each, then
     exit 2 with nothing launched."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from minidist.train.config import config_dir
-    from minidist.train.config import ConfigError
-
     bad = []
     for n, job in enumerate(jobs):
         overrides = [o for o in job if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
-        GlobalHydra.instance().clear()
         try:
-            with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-                precheck(compose(config_name=config_name, overrides=overrides))
+            precheck(compose_fresh(config_name, overrides))
         except ConfigError as e:
             bad.append(f"{job_name(n, overrides)}: {e}")
-        finally:
-            GlobalHydra.instance().clear()
     if bad:
         for line in bad:
             print(f"error: {line}", file=sys.stderr, flush=True)
@@ -468,22 +442,11 @@ def _did_you_mean(name: str, choices) -> str:
 
 def _keys_at(config_name: str, argv: list[str], path: str) -> list[str]:
     """The keys under `path` of the config as composed with argv's group choices (strategy=zero3)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from minidist.train.config import config_dir
-
     choices = [a for a in argv if "=" in a and "." not in a.split("=", 1)[0] and not a.startswith(("+", "~", "-"))]
-    GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            try:
-                cfg = compose(config_name=config_name, overrides=choices)
-            except Exception:  # noqa: BLE001 - a bad choice too: the defaults then
-                cfg = compose(config_name=config_name)
-    finally:
-        GlobalHydra.instance().clear()
+        cfg = compose_fresh(config_name, choices)
+    except Exception:  # noqa: BLE001 - a bad choice too: the defaults then
+        cfg = compose_fresh(config_name)
     node = OmegaConf.select(cfg, path) if path else cfg
     return list(node.keys()) if hasattr(node, "keys") else []
 
@@ -506,7 +469,6 @@ def train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-
     hydra = HydraConfig.get()
     job = job_name(hydra.job.num, hydra.overrides.task) if hydra.mode == RunMode.MULTIRUN else None
     status = launch(cfg, hydra.runtime.output_dir, job=job)
@@ -520,9 +482,6 @@ def check_job(cfg) -> None:
     """A sweep's job's settings, checked before any job launches (the run directory is checked at
     the job's own launch)."""
     import tempfile
-    from pathlib import Path
-
-    from minidist.train.config_check import validate
 
     validate(cfg, world_size_for(cfg), Path(tempfile.gettempdir()) / "minidist-sweep-check-no-run-dir")
 

@@ -30,6 +30,20 @@ def config_dir() -> Path:
                             "(pip install .), or run it from a checkout of the repository")
 
 
+def compose_fresh(config_name: str, overrides=(), **kwargs):
+    """configs/<config_name>.yaml composed with `overrides` (Hydra's compose), on a Hydra of its own:
+    its global state is cleared before and after, whatever was running."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose(config_name=config_name, overrides=list(overrides), **kwargs)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def class_named(target: str, base: type, key: str, example: str, module: str | None = None) -> type:
     """The class `target` (a dotted path) names, if it is a subclass of `base`; else a
     ConfigError naming `key` (e.g. "optim._target_") and a working `example`.
