@@ -7,7 +7,6 @@ and why the rest is refused: docs/drop_in.md and docs/internals.md, "parallel/sh
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
 
 import torch
 from torch import nn
@@ -422,9 +421,6 @@ def _layout_fingerprint(shards: list) -> str:
     """What must be equal for one rank's per-piece state to fit another optimizer."""
     desc = [(s.world_size, s.padded, s.piece_bounds, [(slot.name, slot.offset) for slot in s.slots]) for s in shards]
     return hashlib.sha256(repr(desc).encode()).hexdigest()[:16]
-
-
-Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def plain_module(module: nn.Module) -> nn.Module:

@@ -156,7 +156,6 @@ def dumps_line(log_dir: Path) -> str | None:
 
 
 MSS = 1448  # TCP payload bytes per packet on a 1500-byte MTU (20 IP + 32 TCP with timestamps)
-FRAME_OVERHEAD = 66  # bytes per packet besides the payload: 14 Ethernet + 20 IP + 32 TCP
 
 
 def _phases(record) -> list[tuple[str, float]]:
