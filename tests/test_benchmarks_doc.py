@@ -3,6 +3,9 @@ committed data (docs/benchmarks/data/compare_*.json): no figure typed in by hand
 
 import importlib.util
 import json
+import re
+
+import pytest
 
 from train_cases import ROOT
 
@@ -179,3 +182,15 @@ def test_check_fails_on_a_stale_document_and_names_the_command(tmp_path, capsys)
     assert doc.read_text() == "old\n"  # --check writes nothing
     assert pipeline.main(document, ["--render-only"]) == 0 and doc.read_text() == "new\n"
     assert pipeline.main(document, ["--check"]) == 0
+
+
+def test_a_template_is_filled_whole_and_refuses_a_hole_or_an_unsaid_figure(tmp_path, monkeypatch):
+    pipeline = load_script(ROOT / "scripts" / "lib" / "doc_pipeline.py")
+    monkeypatch.setattr(pipeline, "TEMPLATES", tmp_path)
+    (tmp_path / "t.md").write_text("a {{x}}{{#more}} b {{y}}{{#most}} c{{/most}}{{/more}}.\n\n")
+    assert pipeline.fill("t.md", x=1, more=True, y="two", most=False) == "a 1 b two.\n"
+    assert pipeline.fill("t.md", x=1, more=False) == "a 1.\n"  # a dropped passage's figures are not asked for
+    for values, said in (({"x": 1, "more": True}, "no value for ['most', 'y']"),
+                         ({"x": 1, "more": False, "z": 3}, "nothing in it asks for: ['z']")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            pipeline.fill("t.md", **values)

@@ -8,6 +8,10 @@ One data schema, for every committed file under docs/*/data/:
      "results": {... what the run produced ...},
      "wall_s": seconds the run took (where it was timed)}
 
+A document's text is its template, scripts/templates/NAME.md, as it reads: `{{name}}` stands for a
+figure (or a table, or a sentence judging one) its script computes, and `{{#name}}...{{/name}}` for
+a passage shown only where that value is true (fill()).
+
 One command line, every document's:
 
     python scripts/make_X.py                   # every run, then the document
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,6 +85,30 @@ def run_recipe(recipe: str, overrides: list[str], run_dir: Path, result_file: st
         raise SystemExit(f"[{label}] failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     print(f"[{label}] {wall:.0f} s", flush=True)
     return json.loads((run_dir / result_file).read_text()), wall
+
+
+TEMPLATES = ROOT / "scripts" / "templates"
+_BLOCK = re.compile(r"\{\{#(\w+)\}\}(.*?)\{\{/\1\}\}", re.S)
+_FIELD = re.compile(r"\{\{(\w+)\}\}")
+
+
+def fill(template: str, **values) -> str:
+    """scripts/templates/`template` with each {{#name}}...{{/name}} kept where values[name] is true
+    and dropped where it is false (inner ones after outer ones), then each {{name}} replaced by
+    str(values[name]). A name left without a value, or a value no name asks for, stops the script:
+    a document never shows a hole, and no computed figure goes unsaid."""
+    text = (TEMPLATES / template).read_text()
+    blocks = set(re.findall(r"\{\{#(\w+)\}\}", text))
+    unasked = set(values) - blocks - set(_FIELD.findall(text))
+    kept, missing = text, set()
+    while (found := _BLOCK.search(kept)) and not missing:
+        missing = {found.group(1)} - set(values)
+        kept = kept[:found.start()] + (found.group(2) if values.get(found.group(1)) else "") + kept[found.end():]
+    missing |= set(_FIELD.findall(kept)) - set(values)
+    if missing or unasked:
+        raise SystemExit(f"scripts/templates/{template}: no value for {sorted(missing)}; "
+                         f"values nothing in it asks for: {sorted(unasked)}")
+    return _FIELD.sub(lambda m: str(values[m.group(1)]), kept).rstrip() + "\n"
 
 
 def fill_quotes(text: str, tag: str, quotes: dict[str, str]) -> str:
