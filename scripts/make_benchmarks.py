@@ -34,7 +34,7 @@ from minidist_tools.report import (bytes_table, interval, markdown_table, memory
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 import diloco_doc  # noqa: E402
-from doc_pipeline import Document, fill_quotes, load as load_record, main, provenance, record, run_recipe  # noqa: E402
+from doc_pipeline import Document, fill, fill_quotes, load as load_record, main, provenance, record, run_recipe  # noqa: E402
 
 OUT = ROOT / "outputs" / "benchmarks"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -114,10 +114,22 @@ def copy_figures(name: str) -> None:
             shutil.copy(OUT / "main" / f"timeline_{n}.png", IMG / f"timeline_{n}.png")
 
 
-# --------------------------------------------------------------------------- sections
+# --------------------------------------------------------------------------- the figures (scripts/templates/benchmarks.md says the rest)
 
 def ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
+def run_values(prefix: str, r: dict) -> dict:
+    """What a comparison run was: its model, size, ranks, batch and steps, as `prefix`_NAME."""
+    values = dict(model=r["model"], psi_m=f"{r['psi'] / 1e6:.2f}", world=r["world_size"], batch=r["global_batch"],
+                  warmup=r["warmup"], steps=r["steps"], table=markdown_table(*table_rows(r["rows"])),
+                  bytes=bytes_table(r["rows"]))
+    return {f"{prefix}_{k}": v for k, v in values.items()}
 
 
 def verdicts(rows: dict) -> str:
@@ -132,90 +144,39 @@ def verdicts(rows: dict) -> str:
     return "; ".join(f"{said[k]}: {', '.join(v)}" for k, v in groups.items()) or "no ratios"
 
 
-def main_section(r: dict) -> list[str]:
-    rows = r["rows"]
-    headers, body = table_rows(rows)
-    timelines = [n for n in TIMELINES if f"timeline_{n}.png" in r.get("timeline_files", [])]
-    hidden = {n: t for n, t in ((n, rows[n]["hidden_fraction"]) for n in rows) if t is not None}
-    ours = [n for n in rows if rows[n]["kind"] == "minidist" and rows[n]["final_param_diff"] is not None]
-    worst = max(rows[n]["final_param_diff"] for n in ours)
-    tolerance = rows[ours[0]]["tolerance"]
-    nl = "\n"
-    return [
-        "## Ours vs native PyTorch and DeepSpeed (`recipes/compare.py`)",
-        "",
-        f"`{command(runs()['main'])}`",
-        "",
-        f"{r['model']} ({r['psi'] / 1e6:.2f}M parameters) on {r['data']}, {r['world_size']} ranks, global batch "
-        f"{r['global_batch']}, AdamW, fp32; {r['warmup']} warm-up + {r['steps']} timed steps per strategy, all "
-        "interleaved step by step in one invocation from the same weights on the same batches. `/ ref [95%]`: "
-        "the median step time over the reference's, and the 95% bootstrap interval of the median of the "
-        "step-by-step ratios.",
-        "",
-        markdown_table(headers, body),
-        "",
-        *targets_lines(rows),
-        "",
-        "Reading:",
-        f"- Equal results: {'every' if worst <= tolerance else 'NOT every'} minidist strategy ends within "
-        f"{tolerance:g} of its reference (largest final parameter difference {worst:.1e}; " +
-        ", ".join(f"{n} {rows[n]['final_param_diff']:.1e}" for n in ours) + ").",
-        f"- Step time: {verdicts(rows)}.",
-        "- Communication hidden behind compute (profiled step): " +
-        ", ".join(f"{n} {100 * h:.0f}%" for n, h in hidden.items()) + ". With one core per rank, a collective "
-        "that runs during backward takes its core from the computation (gloo's threads and the training thread "
-        "share it); the overlap section below measures what hiding buys here.",
-        *deepspeed_bytes_lines(rows),
-        "",
-        "### Communication per step",
-        "",
-        bytes_table(rows),
-        "",
-        "### Model state per rank",
-        "",
-        memory_table(rows),
-        "",
-        "![loss](img/compare_loss.png) ![step time](img/compare_step_time.png)",
-        "",
-        "![memory](img/compare_memory.png) ![bytes per op](img/compare_bytes_per_op.png)",
-        "",
-        "### One step on a timeline",
-        "",
-        "Per rank: the phase (forward, backward, optimizer), compute (aten ops on the training thread) and "
-        "each collective from start to end. `compare.timeline=true` writes these PNGs and Chrome traces "
-        "(timeline_*.json, for ui.perfetto.dev); `trainer.timeline_step=N` does the same for one step of a "
-        "training run.",
-        "",
-        *[f"![timeline {n}](img/timeline_{n}.png)" + nl for n in timelines],
-    ]
-
-
 def total_bytes(row: dict, op: str, theory: bool = False) -> float:
     return (row["theory_bytes_per_step"] if theory else row["bytes_per_step"]).get(op) or 0.0
 
 
-def deepspeed_bytes_lines(rows: dict) -> list[str]:
-    """DeepSpeed's bytes against ours, as measured (the ops each uses, and how many bytes)."""
-    out = []
-    if "ds_zero2" in rows and "zero2" in rows:
-        ds, ours = rows["ds_zero2"], rows["zero2"]
-        ds_reduce = total_bytes(ds, "all_reduce") + total_bytes(ds, "reduce_scatter")
-        ours_reduce = total_bytes(ours, "reduce_scatter")
-        if ours_reduce:
-            out.append(f"- Gradient reduction bytes per step, ds_zero2 / zero2: {ds_reduce / ours_reduce:.2f}x "
-                       f"(ds_zero2: all_reduce {total_bytes(ds, 'all_reduce') / 2**20:.2f} MiB, reduce_scatter "
-                       f"{total_bytes(ds, 'reduce_scatter') / 2**20:.2f} MiB; zero2: reduce_scatter "
-                       f"{ours_reduce / 2**20:.2f} MiB).")
-    if "ds_zero3" in rows:
-        ds = rows["ds_zero3"]
-        measured, theory = total_bytes(ds, "all_gather"), total_bytes(ds, "all_gather", theory=True)
-        if theory:
-            out.append(f"- ds_zero3's all_gather bytes are {measured / theory:.2f}x the ZeRO-3 theory "
-                       f"({measured / 2**20:.2f} vs {theory / 2**20:.2f} MiB per step).")
-    return out
+def main_values(r: dict) -> dict:
+    rows = r["rows"]
+    ours = [n for n in rows if rows[n]["kind"] == "minidist" and rows[n]["final_param_diff"] is not None]
+    worst, tolerance = max(rows[n]["final_param_diff"] for n in ours), rows[ours[0]]["tolerance"]
+    values = dict(
+        main_command=command(runs()["main"]), main_data=r["data"], main_targets="\n".join(targets_lines(rows)),
+        main_equal="every" if worst <= tolerance else "NOT every", main_tolerance=f"{tolerance:g}",
+        main_worst=f"{worst:.1e}", main_diffs=", ".join(f"{n} {rows[n]['final_param_diff']:.1e}" for n in ours),
+        main_verdicts=verdicts(rows), main_memory=memory_table(rows),
+        main_hidden=", ".join(f"{n} {100 * rows[n]['hidden_fraction']:.0f}%" for n in rows
+                              if rows[n]["hidden_fraction"] is not None),
+        timelines="".join(f"![timeline {n}](img/timeline_{n}.png)\n\n" for n in TIMELINES
+                          if f"timeline_{n}.png" in r.get("timeline_files", [])),
+        ds_zero2_bytes="", ds_zero3_bytes="", **run_values("main", r))
+    # DeepSpeed's bytes against ours, as measured (the ops each uses, and how many bytes)
+    if "ds_zero2" in rows and "zero2" in rows and total_bytes(rows["zero2"], "reduce_scatter"):
+        ds, ours_rs = rows["ds_zero2"], total_bytes(rows["zero2"], "reduce_scatter")
+        ds_all = total_bytes(ds, "all_reduce") + total_bytes(ds, "reduce_scatter")
+        values["ds_zero2_bytes"] = (f"{ds_all / ours_rs:.2f}x (ds_zero2: all_reduce {total_bytes(ds, 'all_reduce') / 2**20:.2f} "
+                                    f"MiB, reduce_scatter {total_bytes(ds, 'reduce_scatter') / 2**20:.2f} MiB; zero2: "
+                                    f"reduce_scatter {ours_rs / 2**20:.2f} MiB)")
+    if "ds_zero3" in rows and total_bytes(rows["ds_zero3"], "all_gather", theory=True):
+        measured, theory = (total_bytes(rows["ds_zero3"], "all_gather", t) for t in (False, True))
+        values["ds_zero3_bytes"] = (f"{measured / theory:.2f}x the ZeRO-3 theory ({measured / 2**20:.2f} vs "
+                                    f"{theory / 2**20:.2f} MiB per step)")
+    return values
 
 
-def scaling_section(results: dict[int, dict], img: Path) -> list[str]:
+def scaling_values(results: dict[int, dict], img: Path) -> dict:
     import matplotlib.pyplot as plt
 
     names = results[WORLDS[0]]["strategies"]
@@ -241,31 +202,18 @@ def scaling_section(results: dict[int, dict], img: Path) -> list[str]:
     save_figure(fig, img / "scaling.png")
     first, last = min(results), max(results)
     cores = results[last]["environment"]["cores"]
-    throughput = lambda n, name: results[n]["global_batch"] / results[n]["rows"][name]["step_s"]["median"]
-    state = lambda n, name: results[n]["rows"][name]["model_state_bytes"]["total"]
-    return [
-        "## Scaling: 1 to 4 ranks",
-        "",
-        *[f"- `{command(runs()[f'scale_{n}'])}`" for n in results],
-        "",
-        "gpt_nano, micro-batch 16 per rank (the global batch grows with the ranks).",
-        "",
-        markdown_table(headers, body),
-        "",
-        "![scaling](img/scaling.png)",
-        "",
-        f"Reading: this machine has {cores} cores, so from {cores + 1} ranks on the processes share them; these "
-        "runs show how each strategy's overheads and memory move with the world size, not speed-up.",
-        f"- Throughput at {last} ranks over {cores}: " +
-        ", ".join(f"{n} {throughput(last, n) / throughput(cores, n):.2f}x" for n in names if cores in results) + ".",
-        f"- Model state per rank at {last} ranks over {first}: " +
-        ", ".join(f"{n} {state(last, n) / state(first, n):.2f}x" for n in names) +
-        f" (1/{last} = {1 / last:.2f} for state that is fully sharded).",
-        "",
-    ]
+    throughput = lambda n, name: results[n]["global_batch"] / results[n]["rows"][name]["step_s"]["median"]  # noqa: E731
+    state = lambda n, name: results[n]["rows"][name]["model_state_bytes"]["total"]  # noqa: E731
+    return dict(
+        scale_commands="\n".join(f"- `{command(runs()[f'scale_{n}'])}`" for n in results),
+        scale_table=markdown_table(headers, body), crowded=cores + 1, most=last, fewest=first,
+        scale_throughput=", ".join(f"{n} {throughput(last, n) / throughput(cores, n):.2f}x" for n in names
+                                   if cores in results),
+        scale_state=", ".join(f"{n} {state(last, n) / state(first, n):.2f}x" for n in names),
+        sharded_share=f"{1 / last:.2f}")
 
 
-def bucket_section(results: dict[float, dict], img: Path) -> list[str]:
+def bucket_values(results: dict[float, dict], img: Path) -> dict:
     import matplotlib.pyplot as plt
 
     first = next(iter(results.values()))
@@ -283,94 +231,41 @@ def bucket_section(results: dict[float, dict], img: Path) -> list[str]:
         ax.set(xscale="log", xlabel="bucket_cap_mb", ylabel=label)
     axes[0].legend()
     save_figure(fig, img / "buckets.png")
-    return [
-        "## Bucket size (communication-bound model)",
-        "",
-        f"`{command(runs()['bucket_1'])}` with compare.bucket_cap_mb in {list(BUCKETS)} (native DDP gets the same "
-        "cap; for zero2 it is the flat group size).",
-        "",
-        f"mlp_wide: {first['psi'] / 1e6:.1f}M parameters, micro-batch 8 of 32x32 images: "
-        f"{first['psi'] * 4 / 2**20:.0f} MiB of gradients per step for little compute.",
-        "",
-        markdown_table(headers, body),
-        "",
-        "Best setting measured: " + ", ".join(f"{n} {best[n]:g} MiB" for n in names) + ".",
-        "",
-        "ddp / native_ddp at the same cap, with the 95% interval: " + ", ".join(
-            f"{b:g} MiB {r['rows']['ddp']['time_ratio']:.3f}{interval(r['rows']['ddp'])} "
-            f"({speed_verdict(r['rows']['ddp']).split(' (')[0]})" for b, r in results.items()
-            if r["rows"].get("ddp", {}).get("time_ratio") is not None) + ".",
-        "",
-        "![buckets](img/buckets.png)",
-        "",
-        "Small buckets mean many collectives, each paying gloo's per-call latency; large ones leave one big "
-        "all_reduce after backward with nothing to overlap. The default 25 MiB against the best measured: " +
-        ", ".join(f"{n} {results[25]['rows'][n]['step_s']['median'] / results[best[n]]['rows'][n]['step_s']['median']:.3f}x"
-                  for n in names if 25 in results) + ".",
-        "",
-    ]
+    step = lambda b, n: results[b]["rows"][n]["step_s"]["median"]  # noqa: E731
+    return dict(
+        bucket_command=command(runs()["bucket_1"]), buckets=list(BUCKETS), wide_psi_m=f"{first['psi'] / 1e6:.1f}",
+        wide_grad_mib=f"{first['psi'] * 4 / 2**20:.0f}", bucket_table=markdown_table(headers, body),
+        bucket_best=", ".join(f"{n} {best[n]:g} MiB" for n in names),
+        bucket_ratios=", ".join(f"{b:g} MiB {r['rows']['ddp']['time_ratio']:.3f}{interval(r['rows']['ddp'])} "
+                                f"({speed_verdict(r['rows']['ddp']).split(' (')[0]})" for b, r in results.items()
+                                if r["rows"].get("ddp", {}).get("time_ratio") is not None),
+        bucket_default=", ".join(f"{n} {step(25, n) / step(best[n], n):.3f}x" for n in names if 25 in results))
 
 
-def bound_section(results: dict[tuple[str, str], dict]) -> list[str]:
+def bound_values(results: dict[tuple[str, str], dict]) -> dict:
     headers = ["model", "ddp overlap", "ddp ms", "native_ddp ms", "ddp / native", "ddp hidden", "native hidden"]
-    body = []
-    for (model, overlap), r in results.items():
-        rows = r["rows"]
-        pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"
-        body.append([model, overlap, ms(rows["ddp"]["step_s"]["median"]), ms(rows["native_ddp"]["step_s"]["median"]),
-                     f"{rows['ddp']['time_ratio']:.3f}", pct(rows["ddp"]["hidden_fraction"]),
-                     pct(rows["native_ddp"]["hidden_fraction"])])
-    gain = {}
-    for model in ("gpt_nano", "mlp_wide"):
-        on, off = results.get((model, "true")), results.get((model, "false"))
-        if on and off:
-            gain[model] = on["rows"]["ddp"]["time_ratio"] / off["rows"]["ddp"]["time_ratio"]
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
+    body = [[model, overlap, ms(r["rows"]["ddp"]["step_s"]["median"]), ms(r["rows"]["native_ddp"]["step_s"]["median"]),
+             f"{r['rows']['ddp']['time_ratio']:.3f}", pct(r["rows"]["ddp"]["hidden_fraction"]),
+             pct(r["rows"]["native_ddp"]["hidden_fraction"])] for (model, overlap), r in results.items()]
+    ratio = lambda model, overlap: results[(model, overlap)]["rows"]["ddp"]["time_ratio"]  # noqa: E731
+    gain = {m: ratio(m, "true") / ratio(m, "false") for m in ("gpt_nano", "mlp_wide")
+            if (m, "true") in results and (m, "false") in results}
     share = {model: r["rows"]["native_ddp"]["comm_s"] / r["rows"]["native_ddp"]["step_s"]["median"]
              for (model, overlap), r in results.items() if overlap == "false"}
-    return [
-        "## Where overlap pays: compute-bound vs communication-bound",
-        "",
-        *[f"- `{command(runs()[f'bound_{m}_{o}'])}`" for m, o in results],
-        "",
-        markdown_table(headers, body),
-        "",
-        "Overlap's effect (ddp/native ratio with overlap over the ratio without; below 1: overlap made ddp "
-        "faster): " + ", ".join(f"{m} {g:.3f}" for m, g in gain.items()) + ". Communication's share of native "
-        "DDP's step (profiled): " + ", ".join(f"{m} {100 * x:.0f}%" for m, x in share.items()) + ".",
-        "",
-        "On this machine the bytes are moved by the same cores that compute (gloo's threads and the training "
-        "thread share one core per rank): overlap can reorder the work but not add bandwidth. On GPUs the copy "
-        "engines and NVLink/NICs move the bytes while the SMs compute, which is where overlap pays.",
-        "",
-    ]
+    return dict(bound_commands="\n".join(f"- `{command(runs()[f'bound_{m}_{o}'])}`" for m, o in results),
+                bound_table=markdown_table(headers, body), bound_gain=", ".join(f"{m} {g:.3f}" for m, g in gain.items()),
+                bound_share=", ".join(f"{m} {100 * x:.0f}%" for m, x in share.items()))
 
 
-def hybrid_section(r: dict) -> list[str]:
+def hybrid_values() -> dict:
+    if not have("hybrid"):
+        return {"hybrid": False}
+    r = load("hybrid")
     rows = r["rows"]
-    headers, body = table_rows(rows)
-    return [
-        "## Hybrid sharding on a 2x2 mesh (4 ranks on one machine)",
-        "",
-        f"`{command(runs()['hybrid'])}`",
-        "",
-        f"{r['model']} ({r['psi'] / 1e6:.2f}M parameters), {r['world_size']} ranks as 2 replicas x shard groups "
-        f"of 2, global batch {r['global_batch']}; {r['warmup']} warm-up + {r['steps']} timed steps, interleaved.",
-        "",
-        markdown_table(headers, body),
-        "",
-        *targets_lines(rows),
-        "",
-        "### Communication per step",
-        "",
-        bytes_table(rows),
-        "",
-        "The hybrids' all_reduce is the 1/S shard across the replicas (the only traffic that would cross "
-        "hosts); their gathers and reduce_scatters stay in the shard group. Bytes sent per rank and step, all "
-        "ops: " + ", ".join(f"{n} {sum(rows[n]['bytes_per_step'].values()) / 2**20:.2f} MiB" for n in rows) +
-        ". On one machine every link is loopback, so this measures the implementations, not the network "
-        "(docs/scale.md models and measures that).",
-        "",
-    ]
+    return dict(hybrid=True, hybrid_command=command(runs()["hybrid"]), hybrid_targets="\n".join(targets_lines(rows)),
+                hybrid_sent=", ".join(f"{n} {sum(rows[n]['bytes_per_step'].values()) / 2**20:.2f} MiB" for n in rows),
+                **run_values("hybrid", r))
 
 
 def span(values: list[float], fmt) -> str:
@@ -379,50 +274,28 @@ def span(values: list[float], fmt) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-def accumulate_section(r: dict) -> list[str]:
+def accumulate_values() -> dict:
     """strategy.accumulate local against sharded at 4 micro-batches: peak memory, bytes, step time."""
+    if not have("accumulate"):
+        return {"accumulate": False}
+    r = load("accumulate")
     rows, n, psi = r["rows"], r["world_size"], r["psi"]
-    headers, body = table_rows(rows)
-    saved_in_theory = 4 * psi * (n - 1) / n  # the full gradient less its shard
     pairs = [(rows[b], rows[b + "_sharded"]) for b in ACCUMULATED]
     lines = []
     for a, b in pairs:
         rs = b["bytes_per_step"]["reduce_scatter"] / a["bytes_per_step"]["reduce_scatter"] if \
             "reduce_scatter" in a["bytes_per_step"] else None  # fully_shard's bytes are not traced
         lines.append(f"- {a['strategy']}: peak {mib(a['peak_bytes'])} local, {mib(b['peak_bytes'])} sharded "
-                     f"({mib(a['peak_bytes'] - b['peak_bytes'])} less)" +
-                     (f"; {rs:.2f}x the reduce_scatter bytes" if rs else "") +
-                     f"; step time {b['time_ratio']:.3f}{interval(b)} of local's.")
-    zero2 = rows["zero2"]["model_state_bytes"]["total"] / model_state_bytes(variant_spec("zero2"), psi, n)
-    return [
-        "## Accumulation: full gradients or the shard",
-        "",
-        f"`{command(runs()['accumulate'])}`",
-        "",
-        f"{r['model']} ({r['psi'] / 1e6:.2f}M parameters), {n} ranks, 4 micro-batches per step (global batch "
-        f"{r['global_batch']}); {r['warmup']} warm-up + {r['steps']} timed steps, interleaved. `local` (the "
-        "default) accumulates the full gradient under no_sync and reduces it once a step; `sharded` "
-        "reduce_scatters every micro-batch into the gradient shard (FSDP2's default loop, DeepSpeed's stage 2).",
-        "",
-        markdown_table(headers, body),
-        "",
-        *lines,
-        f"- The full gradient less its shard, 4Ψ(N-1)/N: {mib(saved_in_theory)}: what sharded should save at the "
-        "peak, where the full gradient and the activations are alive together.",
-        f"- The trade-off, from these rows: sharded saves {span([a['peak_bytes'] - b['peak_bytes'] for a, b in pairs], mib)}"
-        f" per rank at the peak for {span([b['time_ratio'] for _, b in pairs], '{:.2f}'.format)}x the step time and "
-        "4x the gradient's bytes: worth it where memory, not the network, is short.",
-        f"- zero2's model state (gradients complete, before the step): "
-        f"{mib(rows['zero2']['model_state_bytes']['total'])}, {zero2:.3f}x the ZeRO paper's 4Ψ + 12Ψ/N (its reduce "
-        "buffers are freed after each backward).",
-        "",
-        "### Communication per step",
-        "",
-        bytes_table(rows),
-        "",
-        memory_table(rows),
-        "",
-    ]
+                     f"({mib(a['peak_bytes'] - b['peak_bytes'])} less)" + (f"; {rs:.2f}x the reduce_scatter bytes" if rs else "")
+                     + f"; step time {b['time_ratio']:.3f}{interval(b)} of local's.")
+    zero2 = rows["zero2"]["model_state_bytes"]["total"]
+    return dict(
+        accumulate=True, acc_command=command(runs()["accumulate"]), acc_pairs="\n".join(lines),
+        acc_saved_theory=mib(4 * psi * (n - 1) / n),  # the full gradient less its shard
+        acc_saved=span([a["peak_bytes"] - b["peak_bytes"] for a, b in pairs], mib),
+        acc_slower=span([b["time_ratio"] for _, b in pairs], "{:.2f}".format), acc_zero2_state=mib(zero2),
+        acc_zero2_paper=f"{zero2 / model_state_bytes(variant_spec('zero2'), psi, n):.3f}", acc_memory=memory_table(rows),
+        **run_values("acc", r))
 
 
 CHECKPOINT = DATA / "checkpoint_async.json"
@@ -439,100 +312,65 @@ def checkpoint_run() -> None:
                                             torch.__version__), wall_s=wall)
 
 
-def checkpoint_section() -> list[str]:
+def checkpoint_values() -> dict:
     if not CHECKPOINT.is_file():
-        return []
+        return {"checkpoint": False}
     d = load_record(CHECKPOINT)
     r, p = d["results"], d["provenance"]
     m, ratio = r["medians"], r["blocked_ratio"]
     lo, hi = ratio["ci"]
-    met = "met" if hi < CHECKPOINT_TARGET else "NOT met" if lo >= CHECKPOINT_TARGET else "undecided at this noise"
     body = [[way, f"{m[way]['blocked_s']:.2f} s", f"{m[way]['write_s']:.2f} s", f"{m[way]['step_s'] * 1e3:.0f} ms"]
             for way in ("sync", "async")]
-    return [
-        "## Checkpoints that do not stop training",
-        "",
-        f"`{p['command']}` ({p['date']}, commit {p['commit'][:12]}): {r['model']} with `strategy={r['strategy']}` on "
-        f"{r['world_size']} ranks, {r['steps']} steps, a checkpoint every {r['ckpt_every']}; {r['rounds']} rounds, "
-        "each running both ways in alternating order. Medians over the rounds of each run's summary.json:",
-        "",
-        markdown_table(["checkpoints", "training blocked (all saves)", "writing the files", "median step"], body),
-        "",
-        f"Async blocks training {ratio['median']:.3f}x as long as synchronous saves (median of the rounds' ratios, "
-        f"95% interval {lo:.3f}-{hi:.3f}); the goal, under {CHECKPOINT_TARGET:g}x: {met}. What async still "
-        "blocks: gathering the state (the collectives), copying it into CPU memory (the previous checkpoint's, "
-        "reused) and the commit (the writers' hashes gathered, the manifest, the rename); the files are written, "
-        "hashed and fsynced, and the oldest checkpoint deleted, in the background "
-        "(`minidist/train/async_checkpoint.py`). " + step_cost(m, r["steps"], r["world_size"], r.get("cpus")),
-        "",
-    ]
-
-
-def step_cost(m: dict, steps: int, ranks: int, cpus: int | None) -> str:
-    """What the background writer costs the steps it runs beside, and the net of the two."""
-    slower = m["async"]["step_s"] / m["sync"]["step_s"]
-    total = {way: steps * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
-    verdict = "saves time overall" if total["async"] < total["sync"] else "does not save time overall here"
-    return (f"The writer shares the machine with training: the median step is {slower:.2f}x the synchronous run's, "
-            f"so with steps and blocked time together ({total['sync']:.1f} s sync, {total['async']:.1f} s async) "
-            f"async {verdict}." + (f" Here {ranks} ranks train on the machine's {cpus} cores, so the writer has no "
-                                   "core of its own; where it has one (a GPU's host), only the blocked time is left."
-                                   if cpus is not None and cpus <= ranks else ""))
+    # What the background writer costs the steps it runs beside, and the net of the two.
+    total = {way: r["steps"] * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
+    return dict(
+        checkpoint=True, ckpt_command=p["command"], ckpt_date=p["date"], ckpt_commit=p["commit"][:12],
+        ckpt_model=r["model"], ckpt_strategy=r["strategy"], ckpt_world=r["world_size"], ckpt_steps=r["steps"],
+        ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_ratio=f"{ratio['median']:.3f}", ckpt_ci=f"{lo:.3f}-{hi:.3f}",
+        ckpt_table=markdown_table(["checkpoints", "training blocked (all saves)", "writing the files", "median step"], body),
+        ckpt_target=f"{CHECKPOINT_TARGET:g}", ckpt_met="met" if hi < CHECKPOINT_TARGET else
+        "NOT met" if lo >= CHECKPOINT_TARGET else "undecided at this noise",
+        ckpt_step_ratio=f"{m['async']['step_s'] / m['sync']['step_s']:.2f}", ckpt_sync_total=f"{total['sync']:.1f}",
+        ckpt_async_total=f"{total['async']:.1f}", ckpt_cpus=r.get("cpus"),
+        ckpt_overall="saves time overall" if total["async"] < total["sync"] else "does not save time overall here",
+        ckpt_no_core=r.get("cpus") is not None and r["cpus"] <= r["world_size"])
 
 
 MUON = DATA / "muon.json"
 
 
-def muon_section() -> list[str]:
+def muon_values() -> dict:
     """scripts/measure_muon.py: Muon + AdamW under ZeRO: state per rank, bytes, ZeRO-1's step time."""
     if not MUON.is_file():
-        return []
+        return {"muon": False}
     d = load_record(MUON)
     r, p = d["results"], d["provenance"]
     n, hidden, psi = r["world_size"], r["hidden"], r["psi"]
     body = []
     for name, v in r["variants"].items():
         stage, optimizers = name.split(" ", 1)
-        sharded = stage != "DataParallel"
-        theory = (4 * hidden + 8 * (psi - hidden) if "Muon" in optimizers else 8 * psi) / (n if sharded else 1)
+        theory = (4 * hidden + 8 * (psi - hidden) if "Muon" in optimizers else 8 * psi) / (n if stage != "DataParallel" else 1)
         plain = r["variants"][f"{stage} AdamW"]["sent_bytes"]
         body.append([name, " / ".join(f"{b / 2**20:.2f}" for b in v["state_bytes"]), f"{theory / 2**20:.2f}",
                      f"{max(v['state_bytes']) / theory:.3f}", f"{v['sent_bytes'] / 2**20:.2f}",
                      f"{v['sent_bytes'] / plain:.3f}"])
     ratio = r["zero1_over_ddp"]
-    goal = "met" if ratio["ci"][1] < 1.0 else "NOT met" if ratio["ci"][0] >= 1.0 else "not decided by this run"
     worst = max((v["sent_bytes"] / r["variants"][k.replace("Muon + AdamW", "AdamW")]["sent_bytes"], k)
                 for k, v in r["variants"].items() if "Muon" in k)
-    return [
-        "## Muon under ZeRO: whole matrices, one owner each",
-        "",
-        f"`{p['command']}` ({p['date']}, commit {p['commit'][:12]}): a GPT of {psi / 1e6:.2f}M parameters on {n} "
-        f"ranks, Muon over the blocks' {hidden / 1e6:.2f}M matrix elements, AdamW over the rest; the same model "
-        "with AdamW alone beside it. Optimizer state per rank from live tensors, against the formula (4 bytes a "
-        "Muon element, 8 an AdamW element, over N where sharded); bytes each rank sends per step (the "
-        "CommTracer's), over those of the same stage with AdamW alone.",
-        "",
-        markdown_table(["variant", "optimizer state MiB per rank", "formula MiB", "/ formula", "bytes sent MiB",
-                        "/ AdamW alone"], body),
-        "",
-        f"- Step time of ZeRO-1 with Muon over DataParallel with Muon (each rank orthogonalises only the matrices "
-        f"it owns), {len(r['step_s']['ZeRO-1'])} interleaved steps: {ratio['median']:.3f} [{ratio['ci'][0]:.3f}, "
-        f"{ratio['ci'][1]:.3f}] (goal < 1.00: {goal}).",
-        f"- The whole-matrix layout pads each rank's slice of a flat group to the fullest rank's: the most it adds "
-        f"is {worst[0] - 1:.1%} of the bytes ({worst[1]}: stage 3 gathers each block's four matrices, which two "
-        "ranks cannot split evenly); large buckets (stages 1-2) split evenly.",
-        "",
-    ]
+    return dict(
+        muon=True, muon_command=p["command"], muon_date=p["date"], muon_commit=p["commit"][:12], muon_world=n,
+        muon_psi_m=f"{psi / 1e6:.2f}", muon_hidden_m=f"{hidden / 1e6:.2f}", muon_steps=len(r["step_s"]["ZeRO-1"]),
+        muon_table=markdown_table(["variant", "optimizer state MiB per rank", "formula MiB", "/ formula",
+                                   "bytes sent MiB", "/ AdamW alone"], body),
+        muon_ratio=f"{ratio['median']:.3f} [{ratio['ci'][0]:.3f}, {ratio['ci'][1]:.3f}]",
+        muon_goal="met" if ratio["ci"][1] < 1.0 else "NOT met" if ratio["ci"][0] >= 1.0 else "not decided by this run",
+        muon_pad=f"{worst[0] - 1:.1%}", muon_pad_where=worst[1])
 
 
 WIRES = DATA / "wires_zero3.json"
 ZEROPP = DATA / "zeropp_shaped.json"
 WIRE_BYTES_GOAL = 0.35   # int8 weights + gradients: at most this share of plain zero3's bytes per step
 LOSS_BOUND, LOSS_GOAL = 0.02, 0.01  # validation loss within 2% of plain zero3 (goal: 1%)
-
-
-def mib(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB"
 
 
 def wires_figures(r: dict) -> tuple[float, dict[int, float], int]:
@@ -547,96 +385,64 @@ def wires_figures(r: dict) -> tuple[float, dict[int, float], int]:
     return both["bytes_per_step"] / plain[steps[0]]["bytes_per_step"], worst, min(steps, key=lambda s: abs(s - 200))
 
 
-def wires_section() -> list[str]:
+def wires_values() -> dict:
     """scripts/measure_wires.py: zero3 with and without int8 wires, bytes by collective and the loss."""
     if not WIRES.is_file():
-        return []
+        return {"wires": False}
     d = load_record(WIRES)
     r, p = d["results"], d["provenance"]
     runs = r["runs"]
     steps = sorted({x["steps"] for x in runs})
     plain = {s: next(x for x in runs if x["steps"] == s and x["variant"] == "plain") for s in steps}
-    theory_total = {k: sum(v.values()) for k, v in r["theory"].items()}
     body = []
-    for x in runs:
-        if x["steps"] != steps[0]:
-            continue
-        ref = plain[x["steps"]]
+    for x in (x for x in runs if x["steps"] == steps[0]):
         losses = []
         for s in steps:
             y = next(z for z in runs if z["steps"] == s and z["variant"] == x["variant"])
             delta = (y["val_loss"] - plain[s]["val_loss"]) / plain[s]["val_loss"]
             losses.append(f"{y['val_loss']:.4f}" + ("" if y is plain[s] else f" ({delta:+.2%})"))
-        body.append([x["variant"], mib(x["bytes_per_step"]), f"{x['bytes_per_step'] / ref['bytes_per_step']:.3f}x",
+        body.append([x["variant"], mib(x["bytes_per_step"]), f"{x['bytes_per_step'] / plain[steps[0]]['bytes_per_step']:.3f}x",
                      mib(x["by_op"].get("reduce_scatter", 0)), mib(x["by_op"].get("all_gather", 0)), *losses])
     ratio, worst, judged = wires_figures(r)
-    loss_verdict = ("met, the goal too" if worst[judged] <= LOSS_GOAL else "met, not the goal"
-                    if worst[judged] <= LOSS_BOUND else "NOT met")
-    per = r["theory"]["int8"]
-    lines = [
-        "## Fewer bytes at no loss: int8 wires and ZeRO++ (zero3)",
-        "",
-        f"`{p['command']}` ({p['date']}, commit {p['commit'][:12]}): `make train`'s model and data "
-        f"({r['model']}, {runs[0]['parameters'] / 1e6:.2f}M parameters) on {runs[0]['world_size']} ranks with "
-        f"`strategy={r['strategy']}`, for {' and '.join(map(str, steps))} steps (the default length is 400), with "
-        "`strategy.param_wire=int8` (ZeRO++'s qwZ: the weights' gathers carry block-scaled int8), "
-        "`strategy.grad_wire=int8` (qgZ: each rank's gradient rounded to int8 once, the chunks summed in full "
-        f"precision by their owner) or both; {r['quant_block']} elements per fp32 scale. Bytes are what each "
-        "rank sent per step as the tracer counted them (the wire's, scales included; the few small control "
-        "collectives too); validation loss after the run, its difference from plain zero3's in brackets:",
-        "",
-        markdown_table(["variant", "bytes per step", "vs plain", "reduce_scatter", "all_gather",
-                        *(f"val loss, {s} steps" for s in steps)], body),
-        "",
-        f"Theory (ring model, the spec's collectives): plain zero3 sends {mib(theory_total['plain'])} per rank and "
-        f"step (reduce_scatter {mib(r['theory']['plain']['reduce_scatter'])}, the two all_gathers "
-        f"{mib(r['theory']['plain']['all_gather'])}); at int8 with its scales, 1 + 4/{r['quant_block']} bytes an "
-        f"element instead of 4, {mib(sum(per.values()))}. Measured, int8 weights and gradients together send "
-        f"{ratio:.3f}x plain zero3's bytes (goal at most {WIRE_BYTES_GOAL}x: "
-        f"{'met' if ratio <= WIRE_BYTES_GOAL else 'NOT met'}). After {judged} steps every variant's validation "
-        f"loss is within {worst[judged]:.2%} of plain zero3's (bound {LOSS_BOUND:.0%}, goal {LOSS_GOAL:.0%}: "
-        f"{loss_verdict}); after {steps[-1]}, within {worst[steps[-1]]:.2%}. The master shards and the optimizer "
-        "never see a rounded value (`tests/test_zero_wires.py` checks each: the gradient the master gets is the "
-        "exact sum of the wire-rounded ones, the module's weights are the wire's rendering of the masters).",
-        "",
-        *zeropp_lines(),
-        *ddp_before_after_lines(),
-    ]
-    return lines
+    theory = r["theory"]
+    return dict(
+        wires=True, wires_command=p["command"], wires_date=p["date"], wires_commit=p["commit"][:12],
+        wires_model=r["model"], wires_psi_m=f"{runs[0]['parameters'] / 1e6:.2f}", wires_world=runs[0]["world_size"],
+        wires_strategy=r["strategy"], wires_lengths=" and ".join(map(str, steps)), quant_block=r["quant_block"],
+        wires_table=markdown_table(["variant", "bytes per step", "vs plain", "reduce_scatter", "all_gather",
+                                    *(f"val loss, {s} steps" for s in steps)], body),
+        theory_plain=mib(sum(theory["plain"].values())), theory_rs=mib(theory["plain"]["reduce_scatter"]),
+        theory_ag=mib(theory["plain"]["all_gather"]), theory_int8=mib(sum(theory["int8"].values())),
+        wires_ratio=f"{ratio:.3f}", wires_goal=WIRE_BYTES_GOAL, wires_met="met" if ratio <= WIRE_BYTES_GOAL else "NOT met",
+        judged=judged, judged_worst=f"{worst[judged]:.2%}", loss_bound=f"{LOSS_BOUND:.0%}", loss_goal=f"{LOSS_GOAL:.0%}",
+        loss_verdict=("met, the goal too" if worst[judged] <= LOSS_GOAL else "met, not the goal"
+                      if worst[judged] <= LOSS_BOUND else "NOT met"),
+        longest=steps[-1], longest_worst=f"{worst[steps[-1]]:.2%}", **zeropp_values(), **before_after_values())
 
 
 BEFORE_AFTER = DATA / "ddp_before_after.json"
 
 
-def ddp_before_after_lines() -> list[str]:
+def before_after_values() -> dict:
     """scripts/measure_ddp_before_after.py: ddp / native_ddp before a change and after it."""
     if not BEFORE_AFTER.is_file():
-        return []
+        return {"before_after": False}
     d = load_record(BEFORE_AFTER)
     r, p = d["results"], d["provenance"]
-    body, verdicts = [], []
+    body, said = [], []
     for model, row in r["models"].items():
         b, a = row["before"], row["after"]
         body.append([model, f"{b['ratio']:.3f} [{b['ci'][0]:.3f}, {b['ci'][1]:.3f}]",
                      f"{a['ratio']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}]"])
         overlap = a["ci"][0] <= b["ci"][1] and b["ci"][0] <= a["ci"][1]
         under = "at or under 1.00" if a["ratio"] <= 1.0 else "above 1.00"
-        verdicts.append(f"{model}: after {a['ratio']:.3f} ({under}; the target counts as met only when the whole "
-                        f"interval is: {'met' if a['ci'][1] <= 1.0 else 'not decided by this run' if a['ci'][0] <= 1.0 else 'NOT met'}), "
-                        + ("its interval overlaps before's: no cost measurable" if overlap
-                           else "its interval does not overlap before's: a measurable change"))
-    return [
-        f"Does {r.get('change', '`grad_wire=null` (the default)')} cost DataParallel anything? `{p['command']}` "
-        f"({p['date']}, after = commit "
-        f"{p['commit'][:12]}, before = {r['before'][:12]}): ddp / native_ddp, each run interleaving the two step by "
-        "step (median of the paired ratios, 95% bootstrap interval), on the default gpt_nano and the "
-        "communication-bound mlp_wide:",
-        "",
-        markdown_table(["model", "before", "after"], body),
-        "",
-        "; ".join(verdicts) + ".",
-        "",
-    ]
+        said.append(f"{model}: after {a['ratio']:.3f} ({under}; the target counts as met only when the whole "
+                    f"interval is: {'met' if a['ci'][1] <= 1.0 else 'not decided by this run' if a['ci'][0] <= 1.0 else 'NOT met'}), "
+                    + ("its interval overlaps before's: no cost measurable" if overlap
+                       else "its interval does not overlap before's: a measurable change"))
+    return dict(before_after=True, ba_change=r.get("change", "`grad_wire=null` (the default)"), ba_command=p["command"],
+                ba_date=p["date"], ba_commit=p["commit"][:12], ba_before=r["before"][:12],
+                ba_table=markdown_table(["model", "before", "after"], body), ba_verdicts="; ".join(said))
 
 
 def zeropp_ratios(v: dict) -> dict[str, list[float]]:
@@ -644,10 +450,10 @@ def zeropp_ratios(v: dict) -> dict[str, list[float]]:
     return {k: [a / b for a, b in zip(v["zero3_zeropp"]["step_s"], v[k]["step_s"])] for k in ("zero3", "native_fsdp")}
 
 
-def zeropp_lines() -> list[str]:
+def zeropp_values() -> dict:
     """scripts/zeropp_local.sh: step times on emulated hosts with shaped links."""
     if not ZEROPP.is_file():
-        return []
+        return {"zeropp": False}
     d = load_record(ZEROPP)
     r, p = d["results"], d["provenance"]
     v = r["variants"]
@@ -655,31 +461,20 @@ def zeropp_lines() -> list[str]:
     body = [[k, f"{med[k] * 1e3:.0f} ms", ", ".join(f"{s * 1e3:.0f}" for s in x["step_s"]),
              mib(x["bytes_per_step"]) if x["bytes_per_step"] else "(not traced)",
              mib(x["host_tx_bytes_per_step"])] for k, x in v.items()]
-    rounds = len(v["zero3"]["step_s"])
     vs = zeropp_ratios(v)
-    faster = all(max(x) < 1 for x in vs.values())
-    return [
-        f"On emulated hosts (`{p['command']}`, {p['date']}, commit {p['commit'][:12]}): {r['hosts']} network "
-        f"namespaces x {r['per_host']} ranks, each host's link shaped to {r['rate']} with tc; gpt_nano, "
-        f"{rounds} rounds each running every variant once in rotated order. zero3_zeropp is zero3 with int8 "
-        "weights, int8 gradients and `strategy.secondary_shard=host` (hpZ: the backward's gathers stay in the "
-        "host). Step time is each run's last logged window (slowest rank); bytes out of each host are its "
-        "network device's count:",
-        "",
-        markdown_table(["variant", "median step", "each round (ms)", "sent per rank (traced)",
-                        "out of each host per step"], body),
-        "",
-        f"zero3_zeropp's step against zero3's: {statistics.median(vs['zero3']):.3f}x (rounds "
-        f"{min(vs['zero3']):.3f}-{max(vs['zero3']):.3f}); against native_fsdp's: "
-        f"{statistics.median(vs['native_fsdp']):.3f}x ({min(vs['native_fsdp']):.3f}-{max(vs['native_fsdp']):.3f}): "
-        f"{'faster than both in every round' if faster else 'NOT faster than both in every round'}. "
-        + zeropp_prediction(r, med) + " The cost model's prediction of the bare patterns (`zero3_zeropp` beside "
-        "`zero3`, no compute) against their measured time is in docs/scale.md's validation.",
-        "",
-    ]
+    return dict(
+        zeropp=True, zpp_command=p["command"], zpp_date=p["date"], zpp_commit=p["commit"][:12], zpp_hosts=r["hosts"],
+        zpp_per_host=r["per_host"], zpp_rate=r["rate"], zpp_rounds=len(v["zero3"]["step_s"]),
+        zpp_table=markdown_table(["variant", "median step", "each round (ms)", "sent per rank (traced)",
+                                  "out of each host per step"], body),
+        zpp_vs_zero3=f"{statistics.median(vs['zero3']):.3f}", zpp_vs_zero3_range=f"{min(vs['zero3']):.3f}-{max(vs['zero3']):.3f}",
+        zpp_vs_fsdp=f"{statistics.median(vs['native_fsdp']):.3f}",
+        zpp_vs_fsdp_range=f"{min(vs['native_fsdp']):.3f}-{max(vs['native_fsdp']):.3f}",
+        zpp_faster=("faster than both in every round" if all(max(x) < 1 for x in vs.values())
+                    else "NOT faster than both in every round"), **zeropp_prediction(r, med))
 
 
-def zeropp_prediction(r: dict, med: dict[str, float]) -> str:
+def zeropp_prediction(r: dict, med: dict[str, float]) -> dict:
     """The cost model's communication per step for zero3 and zero3_zeropp on the links docs/scale.md
     calibrated at the same rate, against the step times' difference (the compute is the same)."""
     from omegaconf import OmegaConf
@@ -688,21 +483,18 @@ def zeropp_prediction(r: dict, med: dict[str, float]) -> str:
 
     calibrated = ROOT / "docs" / "scale" / "data" / f"validate_{r['rate']}.json"
     if not calibrated.is_file() or not WIRES.is_file():
-        return ""
-    m = load_record(calibrated)["results"]
-    c = costmodel.Cluster.calibrated(m)
+        return {"zpp_predicted": False}
+    c = costmodel.Cluster.calibrated(load_record(calibrated)["results"])
     psi = load_record(WIRES)["results"]["runs"][0]["parameters"]  # gpt_nano's, as trained here
     units = int(OmegaConf.load(ROOT / "configs" / "model" / "gpt_nano.yaml").n_layer) + 1  # blocks + the root
     strategy, wires = costmodel.VARIANTS["zero3_zeropp"]
     plain = costmodel.step_comm_time(strategy, psi, r["hosts"], c, comm_bytes=4, units=units)["total"]
     zeropp = costmodel.step_comm_time(strategy, psi, r["hosts"], c, comm_bytes=4, units=units, **wires)["total"]
     predicted, measured = plain - zeropp, med["zero3"] - med["zero3_zeropp"]
-    error = (predicted - measured) / measured
-    bound = costmodel_tolerance()
-    return (f"The cost model, on the links docs/scale.md calibrated at {r['rate']}, prices zero3's communication "
-            f"at {plain * 1e3:.0f} ms a step and zero3_zeropp's at {zeropp * 1e3:.0f} ms: {predicted * 1e3:.0f} ms "
-            f"saved, against {measured * 1e3:.0f} ms between the measured steps ({error:+.0%}; "
-            f"{'within' if abs(error) <= bound else 'NOT within'} its {bound:.0%}).")
+    error, bound = (predicted - measured) / measured, costmodel_tolerance()
+    return dict(zpp_predicted=True, zpp_plain_ms=f"{plain * 1e3:.0f}", zpp_zeropp_ms=f"{zeropp * 1e3:.0f}",
+                zpp_saved_ms=f"{predicted * 1e3:.0f}", zpp_measured_ms=f"{measured * 1e3:.0f}", zpp_error=f"{error:+.0%}",
+                zpp_within="within" if abs(error) <= bound else "NOT within", zpp_bound=f"{bound:.0%}")
 
 
 def costmodel_tolerance() -> float:
@@ -718,38 +510,16 @@ def render(img: Path = IMG) -> str:
     img.mkdir(parents=True, exist_ok=True)
     main = load("main")
     env = main["environment"]
-    sources = sorted(DATA.glob("compare_*.json"))
-    lines = [
-        "# Benchmarks",
-        "",
-        "Generated by `python scripts/make_benchmarks.py` (`--render-only` rewrites it from the committed data "
-        "without running anything); do not edit by hand. Data: `docs/benchmarks/data/compare_*.json`, each with "
-        "the commit, torch version, command and date that produced it "
-        f"({', '.join(sorted({load_record(f)['provenance']['date'] for f in sources}))}).",
-        "",
-        f"Machine: {env['cores']} CPU cores, no GPU; torch {env['torch']}, DeepSpeed {env['deepspeed']}, "
-        f"Python {env['python']}; backend {env['backend']} over loopback, OMP_NUM_THREADS=1 per rank. "
-        "Times are medians of the slowest rank's step; ratios compare strategies interleaved in one invocation.",
-        "",
-        *main_section(main),
-        "",
-        *scaling_section({n: load(f"scale_{n}") for n in WORLDS if have(f"scale_{n}")}, img),
-        *bucket_section({b: load(f"bucket_{b}") for b in BUCKETS if have(f"bucket_{b}")}, img),
-        *bound_section({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
+    diloco = diloco_doc.section(img)
+    return fill(
+        "benchmarks.md", dates=", ".join(sorted({load_record(f)["provenance"]["date"] for f in DATA.glob("compare_*.json")})),
+        cores=env["cores"], torch=env["torch"], deepspeed=env["deepspeed"], python=env["python"], backend=env["backend"],
+        **main_values(main), **scaling_values({n: load(f"scale_{n}") for n in WORLDS if have(f"scale_{n}")}, img),
+        **bucket_values({b: load(f"bucket_{b}") for b in BUCKETS if have(f"bucket_{b}")}, img),
+        **bound_values({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
                         if have(f"bound_{m}_{o}")}),
-        *(hybrid_section(load("hybrid")) if have("hybrid") else []),
-        *(accumulate_section(load("accumulate")) if have("accumulate") else []),
-        *checkpoint_section(),
-        *wires_section(),
-        *muon_section(),
-        *diloco_doc.section(img),
-        "## Component benchmarks",
-        "",
-        "Each part on its own (collectives, DataParallel, the ring, ZeRO stages, resident memory, the main "
-        "job), one recipe each: `docs/benchmarks/components.md`, rendered the same way by "
-        "`scripts/make_components.py` from `docs/benchmarks/data/component_*.json`.",
-    ]
-    return "\n".join(lines).rstrip() + "\n"
+        **hybrid_values(), **accumulate_values(), **checkpoint_values(), **wires_values(), **muon_values(),
+        diloco="\n".join(diloco) + "\n" if diloco else "")
 
 
 # --------------------------------------------------------------------------- the README's quotes
