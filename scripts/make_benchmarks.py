@@ -510,7 +510,6 @@ def render(img: Path = IMG) -> str:
     img.mkdir(parents=True, exist_ok=True)
     main = load("main")
     env = main["environment"]
-    diloco = diloco_doc.section(img)
     return fill(
         "benchmarks.md", dates=", ".join(sorted({load_record(f)["provenance"]["date"] for f in DATA.glob("compare_*.json")})),
         cores=env["cores"], torch=env["torch"], deepspeed=env["deepspeed"], python=env["python"], backend=env["backend"],
@@ -519,7 +518,7 @@ def render(img: Path = IMG) -> str:
         **bound_values({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
                         if have(f"bound_{m}_{o}")}),
         **hybrid_values(), **accumulate_values(), **checkpoint_values(), **wires_values(), **muon_values(),
-        diloco="\n".join(diloco) + "\n" if diloco else "")
+        **diloco_doc.values(img))
 
 
 # --------------------------------------------------------------------------- the README's quotes
