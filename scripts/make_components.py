@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from minidist_tools.benchmarking import variant_spec  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
-from doc_pipeline import Document, load as load_record, main, provenance, record, run_recipe  # noqa: E402
+from doc_pipeline import Document, fill, load as load_record, main, provenance, record, run_recipe  # noqa: E402
 from minidist.comm import RING_WINS_FROM  # noqa: E402
 from minidist_tools.report import markdown_table, speed_verdict  # noqa: E402
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -109,18 +109,15 @@ def provenance_line(d: dict) -> str:
     return f"Command: `{p['command']}` (commit {p['commit'][:12]}, torch {p['torch']}, {p['date']}; {d['wall_s']:.0f} s)."
 
 
-# --------------------------------------------------------------------------- sections
+# --------------------------------------------------------------------------- the figures (scripts/templates/components*.md say the rest)
 
 COLLECTIVE_SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
 
 
-def collectives_section(runs: dict[int, dict]) -> list[str]:
-    meta = next(iter(runs.values()))["results"]["meta"]
-    out = ["## Collectives (`recipes/bench_collectives.py`)", "",
-           f"{meta['warmup']} warm-up calls, then the median of {meta['iters']} timed calls (sync) or of "
-           f"{meta['repeats']} bursts of {meta['iters']} back-to-back async calls. busbw in GB/s, nccl-tests' definitions (all_reduce algbw·2(n-1)/n; "
-           "all_gather and reduce_scatter algbw·(n-1)/n with S the total size; broadcast, reduce, send/recv "
-           "algbw). Each run also writes results.csv, TensorBoard scalars and busbw.png to its run directory.", ""]
+def collectives_values(runs: dict[int, dict]) -> dict:
+    if not runs:
+        return {"collectives": False}
+    parts = []
     for n, d in runs.items():
         meta, rows = d["results"]["meta"], d["results"]["results"]
         memcpy = meta["memcpy_GBps"]
@@ -130,43 +127,30 @@ def collectives_section(runs: dict[int, dict]) -> list[str]:
                              for s in COLLECTIVE_SIZES)]
                 for op in ops for mode in ("sync", "async") if any(k[:2] == (op, mode) for k in cell)]
         best = max(rows, key=lambda r: r["busbw_GBps"])
-        at16 = {op: cell.get((op, "sync", 16 << 20)) for op in ("reduce_scatter", "all_reduce")}
+        rs, ar = (cell.get((op, "sync", 16 << 20)) for op in ("reduce_scatter", "all_reduce"))
         gains = [cell[(r["op"], "async", r["bytes"])]["busbw_GBps"] / r["busbw_GBps"] for r in rows
                  if r["mode"] == "sync" and r["bytes"] >= 64 << 10 and r["busbw_GBps"] > 0
                  and (r["op"], "async", r["bytes"]) in cell]
-        out += [f"### {n} ranks{' (' + str(n) + ' processes on 2 cores)' if n > 2 else ''} — memcpy bandwidth "
-                f"{memcpy:.2f} GB/s (the one-machine upper bound)", "", provenance_line(d), "",
-                markdown_table(["op", "mode", *(size(s) for s in COLLECTIVE_SIZES)], body), "",
-                f"- Highest busbw measured: {best['op']} {best['mode']} at {size(best['bytes'])}, "
-                f"{best['busbw_GBps']:.2f} GB/s ({100 * best['busbw_GBps'] / memcpy:.0f}% of memcpy)" +
-                (": the loopback TCP stack, not memory, is the bound." if best["busbw_GBps"] < 0.8 * memcpy else ".")]
-        if all(at16.values()):
-            ratio = at16["reduce_scatter"]["time_us"] / at16["all_reduce"]["time_us"]
-            out.append(f"- At 16 MiB, gloo's reduce_scatter takes {ratio:.2f}x the time of an all_reduce of the "
-                       f"same buffer (busbw {at16['reduce_scatter']['busbw_GBps']:.2f} against "
-                       f"{at16['all_reduce']['busbw_GBps']:.2f} GB/s), though it moves half the bytes: the reason "
-                       "for the send/recv ring below.")
-        if gains:
-            out.append(f"- Async bursts over blocking calls (busbw, from 64 KiB): median {statistics.median(gains):.2f}x "
-                       f"(range {min(gains):.2f}-{max(gains):.2f}).")
-        out.append("")
-    return out
+        parts.append(fill(
+            "components_collectives.md", n=n, crowded=n > 2, memcpy=f"{memcpy:.2f}", provenance=provenance_line(d),
+            table=markdown_table(["op", "mode", *(size(s) for s in COLLECTIVE_SIZES)], body), best_op=best["op"],
+            best_mode=best["mode"], best_size=size(best["bytes"]), best_busbw=f"{best['busbw_GBps']:.2f}",
+            best_share=f"{100 * best['busbw_GBps'] / memcpy:.0f}", stack_bound=best["busbw_GBps"] < 0.8 * memcpy,
+            at16=bool(rs and ar), **({"rs_over_ar": f"{rs['time_us'] / ar['time_us']:.2f}", "rs_busbw": f"{rs['busbw_GBps']:.2f}",
+                                      "ar_busbw": f"{ar['busbw_GBps']:.2f}"} if rs and ar else {}),
+            gains=f"{statistics.median(gains):.2f}" if gains else "",
+            **({"gains_range": f"{min(gains):.2f}-{max(gains):.2f}"} if gains else {})))
+    meta = next(iter(runs.values()))["results"]["meta"]
+    return dict(collectives="\n".join(parts), coll_warmup=meta["warmup"], coll_iters=meta["iters"],
+                coll_repeats=meta["repeats"])
 
 
-DDP_VARIANTS = ("native", "ours", "ours_no_overlap", "ours_bucket_view", "native_bucket_view")
-
-
-def ddp_section(d: dict) -> list[str]:
-    out = ["## DataParallel vs native DDP (`recipes/bench_ddp.py`)", "", provenance_line(d), "",
-           f"{d['results']['world_size']} ranks, gloo, {d['results']['warmup']} warm-up + {d['results']['steps']} "
-           "measured steps, AdamW; a GPT-style transformer (10 layers, d=384, vocab "
-           "8192, 2x128 tokens per rank) and torchvision's resnet18 on 32x32 inputs (16 images per rank); "
-           "bucket_cap_mb=25 with a 1 MiB first bucket for both. Every variant runs every step in rotating "
-           "order; `paired / native [95%]` is the median of the step-by-step ratios and its bootstrap interval.",
-           ""]
+def ddp_values(d: dict | None) -> dict:
+    if d is None:
+        return {"ddp": False}
     headers = ["model", "variant", "median step (IQR)", "paired / native [95%]", "exposed comm (end of backward)",
                "same all_reduces alone", "buckets"]
-    body, lines = [], []
+    body, models = [], []
     for res in d["results"]["results"]:
         v = res["variants"]
         label = f"{res['model']} ({res['parameters'] / 1e6:.1f}M)"
@@ -177,64 +161,53 @@ def ddp_section(d: dict) -> list[str]:
                          f"{row['exposed_comm_s'] * 1e3:.1f} ms" if "exposed_comm_s" in row else "-",
                          f"{row['standalone_comm_s'] * 1e3:.1f} ms" if "standalone_comm_s" in row else "-",
                          str(row.get("buckets", "-"))])
-        ours = v["ours"]["paired_ratio"]
-        lines.append(f"- {res['model']}: ours / native {ours['median']:.3f}{ci(ours['ci'])}, target <= 1.00 "
-                     f"{at_most(ours['median'], ours['ci'])}.")
-        if "ours_bucket_view" in v and "native_bucket_view" in v:
-            a, b = v["ours_bucket_view"]["paired_ratio"]["median"], v["native_bucket_view"]["paired_ratio"]["median"]
-            lines.append(f"  With `gradient_as_bucket_view=True` on both sides: ours {a:.3f}, native {b:.3f} of "
-                         f"native's default step, i.e. ours/native {a / b:.3f} (a ratio of medians, no interval).")
-        if "ours_no_overlap" in v:
-            on, off = v["ours"], v["ours_no_overlap"]
-            lines.append(f"  Overlap: exposed communication {on['exposed_comm_s'] * 1e3:.1f} ms with it, "
-                         f"{off['exposed_comm_s'] * 1e3:.1f} ms without; the step with overlap is "
-                         f"{on['paired_ratio']['median'] / off['paired_ratio']['median']:.3f}x the step without "
-                         "(ratio of the two paired medians).")
-    return out + [markdown_table(headers, body), "", *lines, "",
-                  "With one core per rank, gloo's communication threads take the core backward needs, so hiding "
-                  "communication buys little here. (\"same all_reduces alone\" is a separate, noisier measurement "
-                  "of the buckets' all_reduces with nothing else running.)", ""]
+        ours, median = v["ours"]["paired_ratio"], lambda name: v[name]["paired_ratio"]["median"]  # noqa: E731
+        view, overlap = "ours_bucket_view" in v and "native_bucket_view" in v, "ours_no_overlap" in v
+        models.append(fill(
+            "components_ddp_model.md", model=res["model"], ratio=f"{ours['median']:.3f}{ci(ours['ci'])}",
+            verdict=at_most(ours["median"], ours["ci"]), bucket_view=view, overlap=overlap,
+            **({"ours_view": f"{median('ours_bucket_view'):.3f}", "native_view": f"{median('native_bucket_view'):.3f}",
+                "view_ratio": f"{median('ours_bucket_view') / median('native_bucket_view'):.3f}"} if view else {}),
+            **({"with_ms": f"{v['ours']['exposed_comm_s'] * 1e3:.1f}",
+                "without_ms": f"{v['ours_no_overlap']['exposed_comm_s'] * 1e3:.1f}",
+                "overlap_ratio": f"{median('ours') / median('ours_no_overlap'):.3f}"} if overlap else {})))
+    r = d["results"]
+    return dict(ddp=True, ddp_provenance=provenance_line(d), ddp_world=r["world_size"], ddp_warmup=r["warmup"],
+                ddp_steps=r["steps"], ddp_table=markdown_table(headers, body), ddp_models="".join(models))
 
 
-def ring_section(runs: dict[int, dict]) -> list[str]:
-    out = ["## Ring collectives from send/recv vs gloo's (`recipes/bench_ring.py`)", "",
-           "fp32, 64 KiB to 64 MiB (the total gathered / scattered buffer). Each round times the backend's call "
-           "and the ring's (`minidist.comm.ring`) once each on the same buffers, in alternating order, after a "
-           "barrier; a call's time is the slowest rank's. Times are medians; the speed-up is the median of the "
-           "per-round ratios backend / ring (> 1: the ring is faster) with its 95% bootstrap interval.", ""]
-    target_items, faster = [], {}
+def ring_values(runs: dict[int, dict]) -> dict:
+    if not runs:
+        return {"ring": False}
+    parts, target_items, faster = [], [], {}
     for n, d in runs.items():
         rows = d["results"]["rows"]
         body = [[r["op"], size(r["bytes"]), f"{r['backend_ms']:.2f}", f"{r['ring_ms']:.2f}",
                  f"{r['busbw_backend_GBps']:.2f}", f"{r['busbw_ring_GBps']:.2f}",
                  f"{r['speedup']:.2f}{ci(r['speedup_ci'])}"] for r in rows]
-        out += [f"### {n} ranks{' (' + str(n) + ' processes on 2 cores)' if n > 2 else ''}", "", provenance_line(d),
-                "", markdown_table(["op", "size", "backend ms", "ring ms", "busbw backend GB/s", "busbw ring GB/s",
-                                    "speed-up [95%]"], body), ""]
+        parts.append(f"### {n} ranks{' (' + str(n) + ' processes on 2 cores)' if n > 2 else ''}\n\n{provenance_line(d)}\n\n"
+                     + markdown_table(["op", "size", "backend ms", "ring ms", "busbw backend GB/s", "busbw ring GB/s",
+                                       "speed-up [95%]"], body) + "\n\n")
         for r in rows:
             if r["op"] == "reduce_scatter" and r["bytes"] >= RING_TARGET_FROM:
-                target_items.append((at_least(r["speedup_ci"], RING_TARGET),
-                                     f"{n} ranks {size(r['bytes'])} {r['speedup']:.2f}x"))
-            winner = "ring" if r["speedup_ci"][0] > 1 else "backend" if r["speedup_ci"][1] < 1 else None
-            faster[(r["op"], n, r["bytes"])] = winner
-    out.append(f"- Target: the ring's reduce_scatter at least {RING_TARGET}x gloo's from {size(RING_TARGET_FROM)} "
-               f"to 64 MiB (the interval's lower end at or above it): {grouped(target_items)}.")
+                target_items.append((at_least(r["speedup_ci"], RING_TARGET), f"{n} ranks {size(r['bytes'])} {r['speedup']:.2f}x"))
+            faster[(r["op"], n, r["bytes"])] = "ring" if r["speedup_ci"][0] > 1 else \
+                "backend" if r["speedup_ci"][1] < 1 else None
     wins_from = RING_WINS_FROM["gloo"]
     against = []
     for (op, n, nbytes), winner in faster.items():
         auto = "ring" if op in wins_from and nbytes >= wins_from[op] else "backend"
         if winner is not None and winner != auto:
             against.append(f"{op} {n} ranks {size(nbytes)} ({winner} faster, auto takes the {auto})")
-    policy = ", ".join(f"{op} from {size(b) if b else 'every size'}" for op, b in wins_from.items())
-    out += [f"- `algorithm=\"auto\"` on gloo takes the ring for {policy}, the backend otherwise "
-            "(`minidist.comm.RING_WINS_FROM`). Where these runs tell the two apart (the interval excludes 1), "
-            + (f"they disagree with it at: {'; '.join(against)}." if against else "they agree with it everywhere."),
-            *(["- At 4 ranks on 2 cores every call waits for 4 processes to be scheduled; the intervals there are "
-               "wider."] if 4 in runs else []), ""]
-    return out
+    return dict(ring="".join(parts), ring_target=RING_TARGET, ring_from=size(RING_TARGET_FROM),
+                ring_verdicts=grouped(target_items), ring_against="; ".join(against), ring_agrees=not against,
+                ring_4=4 in runs,
+                ring_policy=", ".join(f"{op} from {size(b) if b else 'every size'}" for op, b in wins_from.items()))
 
 
-def zero_section(d: dict) -> list[str]:
+def zero_values(d: dict | None) -> dict:
+    if d is None:
+        return {"zero": False}
     res = d["results"]
     rows, psi, n = res["results"], res["psi"], res["world_size"]
     headers = ["variant", "median step", "/ ours ddp [95%]", "/ native counterpart [95%]", "model state per rank",
@@ -255,27 +228,20 @@ def zero_section(d: dict) -> list[str]:
             targets.append(f"{name} <= its native counterpart: {r['ratio_to_native']:.3f}{ci(r['ratio_to_native_ci'])} "
                            f"{at_most(r['ratio_to_native'], r['ratio_to_native_ci'])}")
     paper = {k: formula_bytes(k, psi, n) / psi for k in ("ddp", "zero1", "zero2", "zero3") if k in rows}
-    exact = [f"{k} {rows[k]['state_per_psi']:.2f} (formula {f:g})" for k, f in paper.items()]
     off = [k for k, f in paper.items() if abs(rows[k]["state_per_psi"] - f) > 0.01]
-    lines = [f"- Targets: {'; '.join(targets)}.",
-             f"- Model state per parameter against the ZeRO paper at N={n}: {', '.join(exact)}: " +
-             ("every stage matches." if not off else f"{', '.join(off)} do not match.")]
-    peaks = [f"{k} {rows[k]['peak_bytes'] / MIB:.1f} MiB with the ring against {rows[k + '_backend']['peak_bytes'] / MIB:.1f} "
-             f"with gloo's" for k in ("zero1", "zero2", "zero3") if k in rows and k + "_backend" in rows]
-    if peaks:
-        lines.append(f"- Peak memory, our ring vs gloo's collectives: {', '.join(peaks)}.")
-    return ["## ZeRO stages vs native and vs DataParallel (`recipes/bench_zero.py`)", "", provenance_line(d), "",
-            f"{n} ranks, gloo, a GPT of {psi:,} parameters (Ψ), AdamW, {res['warmup']} warm-up + {res['steps']} measured "
-            "steps, every variant every step in rotating order. zero1-3 use `collectives=\"auto\"` (our send/recv "
-            "ring on gloo); `zeroK_backend` is the same stage with gloo's reduce_scatter / all_gather. native_zero1 "
-            "is native DDP + ZeroRedundancyOptimizer; native_fsdp is `fully_shard` on each block, then the root. "
-            "Ratios are medians of the step-by-step ratios with their 95% interval. Memory is measured per variant, "
-            "built alone, after a step (gradients still held): model state from live storages, peak from live "
-            "tensor bytes sampled through the step; the largest rank's.", "",
-            markdown_table(headers, body), "", *lines, ""]
+    return dict(
+        zero=True, zero_provenance=provenance_line(d), zero_world=n, zero_psi=f"{psi:,}", zero_warmup=res["warmup"],
+        zero_steps=res["steps"], zero_table=markdown_table(headers, body), zero_targets="; ".join(targets),
+        zero_per_psi=", ".join(f"{k} {rows[k]['state_per_psi']:.2f} (formula {f:g})" for k, f in paper.items()),
+        zero_exact=not off, zero_off=", ".join(off),
+        zero_peaks=", ".join(f"{k} {rows[k]['peak_bytes'] / MIB:.1f} MiB with the ring against "
+                             f"{rows[k + '_backend']['peak_bytes'] / MIB:.1f} with gloo's"
+                             for k in ("zero1", "zero2", "zero3") if k in rows and k + "_backend" in rows))
 
 
-def memory_section(d: dict) -> list[str]:
+def memory_values(d: dict | None) -> dict:
+    if d is None:
+        return {"memory": False}
     res = d["results"]
     rows = res["results"]
     body = [[r["strategy"], r["collectives"] if "collectives" in variant_spec(r["strategy"]).options else "-",
@@ -285,78 +251,37 @@ def memory_section(d: dict) -> list[str]:
     ours = {k: r for k, r in rows.items()  # our ZeRO stages with our collectives (not the _backend variants)
             if variant_spec(k).kind == "minidist" and variant_spec(k).zero_stage and r["collectives"] != "backend"}
     over = [k for k, r in rows.items() if not r["all_ranks_within_target"]]
-    verdict = "met for every stage, on every rank" if all(r["all_ranks_within_target"] for r in ours.values()) \
-        else "NOT met: " + ", ".join(k for k, r in ours.items() if not r["all_ranks_within_target"])
-    return ["## Resident memory per strategy (`recipes/bench_memory.py`)", "", provenance_line(d), "",
-            f"{res['world_size']} ranks, an MLP of {res['psi'] / 1e6:.1f}M parameters, AdamW, 1 MiB buckets, 3 steps, "
-            "gradients still held. Each strategy runs in freshly started ranks with `MALLOC_MMAP_THRESHOLD_=65536`, "
-            "so freed tensors return their pages and RSS follows live tensors (`tests/test_rss.py` checks this). "
-            "RSS is its anonymous part (RssAnon), above a baseline taken after the same strategy trained a tiny "
-            "model once. \"In flight\": the gradient buckets or stage-3 staging buffers a strategy keeps. Rank 0's "
-            "figures; \"within\" checks every rank.", "",
-            markdown_table(["strategy", "collectives", "RSS above baseline", "ZeRO formula", "buffers in flight",
-                            "RSS / formula", "bound: 1.15 × formula + 8 MiB + in flight", "within, every rank"], body),
-            "",
-            "- Target: every ZeRO stage with our collectives within its bound: " + verdict + " (" +
-            ", ".join(f"{k} {r['rss_bytes'] / MIB:.1f} MiB, bound {target_bytes(r) / MIB:.1f}" for k, r in ours.items()) + ").",
-            f"- Over the bound: {', '.join(over) if over else 'none'}." +
-            (" gloo's reduce_scatter holds on to memory that no live tensor accounts for." if
-             any(k.endswith("_backend") for k in over) else ""), ""]
+    return dict(
+        memory=True, mem_provenance=provenance_line(d), mem_world=res["world_size"], mem_psi_m=f"{res['psi'] / 1e6:.1f}",
+        mem_table=markdown_table(["strategy", "collectives", "RSS above baseline", "ZeRO formula", "buffers in flight",
+                                  "RSS / formula", "bound: 1.15 × formula + 8 MiB + in flight", "within, every rank"], body),
+        mem_verdict="met for every stage, on every rank" if all(r["all_ranks_within_target"] for r in ours.values())
+        else "NOT met: " + ", ".join(k for k, r in ours.items() if not r["all_ranks_within_target"]),
+        mem_ours=", ".join(f"{k} {r['rss_bytes'] / MIB:.1f} MiB, bound {target_bytes(r) / MIB:.1f}" for k, r in ours.items()),
+        mem_over=", ".join(over) if over else "none", mem_backend_over=any(k.endswith("_backend") for k in over))
 
 
-def train_section(d: dict) -> list[str]:
-    s = d["results"]
-    loss = s["val/loss"]
-    verdict = "met" if loss <= TRAIN_TARGET_LOSS else "NOT met"
-    run = s["config"]
-    return ["## The trainer's main job (`make train`)", "", provenance_line(d), "",
-            f"minidist `{run['strategy']}`, {run['model']} ({s['parameters'] / 1e6:.2f}M parameters) on {run['data']}, "
-            f"{run['world_size']} ranks, {s['step']} steps, AdamW (peak lr {run['lr']:g}). Measured: {d['wall_s']:.0f} s "
-            f"wall, final validation loss {loss:.3f} nats (target <= {TRAIN_TARGET_LOSS}: {verdict}), "
-            f"{s['throughput/tokens_per_s']:,.0f} tokens/s ({s['throughput/tokens_per_s_per_rank']:,.0f} per rank), "
-            f"a step of {s['time/step_s'] * 1e3:.1f} ms of which {s.get('time/exposed_comm_s', 0) * 1e3:.1f} ms "
-            f"exposed communication and {s['time/data_s'] * 1e3:.1f} ms data, "
-            f"{s['comm/bytes_per_step'] / MIB:.1f} MiB sent per step and rank, model state "
-            f"{s['memory/model_state_bytes'] / MIB:.1f} MiB per rank.", ""]
+def train_values(d: dict | None) -> dict:
+    if d is None:
+        return {"train": False}
+    s, run = d["results"], d["results"]["config"]
+    return dict(
+        train=True, train_provenance=provenance_line(d), train_strategy=run["strategy"], train_model=run["model"],
+        train_psi_m=f"{s['parameters'] / 1e6:.2f}", train_data=run["data"], train_world=run["world_size"],
+        train_steps=s["step"], train_lr=f"{run['lr']:g}", train_wall=f"{d['wall_s']:.0f}", train_loss=f"{s['val/loss']:.3f}",
+        train_target=TRAIN_TARGET_LOSS, train_met="met" if s["val/loss"] <= TRAIN_TARGET_LOSS else "NOT met",
+        train_tokens=f"{s['throughput/tokens_per_s']:,.0f}", train_tokens_rank=f"{s['throughput/tokens_per_s_per_rank']:,.0f}",
+        train_step_ms=f"{s['time/step_s'] * 1e3:.1f}", train_exposed_ms=f"{s.get('time/exposed_comm_s', 0) * 1e3:.1f}",
+        train_data_ms=f"{s['time/data_s'] * 1e3:.1f}", train_sent=f"{s['comm/bytes_per_step'] / MIB:.1f}",
+        train_state=f"{s['memory/model_state_bytes'] / MIB:.1f}")
 
 
 def render() -> str:
     """The document, from the committed data alone."""
-    sections = []
-    collectives = {n: d for n in (2, 4) if (d := load(f"collectives_{n}"))}
-    rings = {n: d for n in (2, 4) if (d := load(f"ring_{n}"))}
-    if collectives:
-        sections += collectives_section(collectives)
-    if d := load("ddp"):
-        sections += ddp_section(d)
-    if rings:
-        sections += ring_section(rings)
-    if d := load("zero"):
-        sections += zero_section(d)
-    if d := load("memory"):
-        sections += memory_section(d)
-    if d := load("train"):
-        sections += train_section(d)
-    lines = [
-        "# Component benchmarks (one recipe per part: collectives, DataParallel, ring, ZeRO, memory, the trainer)",
-        "",
-        "Generated by `python scripts/make_components.py` (`--render-only` rewrites it from the committed data "
-        "without running anything); do not edit by hand. Data: `docs/benchmarks/data/component_*.json`.",
-        "",
-        "Machine: 2 CPU cores, no GPU; gloo over loopback, `OMP_NUM_THREADS=1` per rank. With two ranks on two "
-        "cores, computation and gloo's communication threads compete for the same cores, so overlap buys little "
-        "here; the ratios, not the absolute times, are the point. Every comparison runs its variants interleaved "
-        "in one invocation (paired steps, rotating order) and reports medians of the slowest rank's step.",
-        "",
-        *sections,
-        "## Reproducing",
-        "",
-        "```bash",
-        "python scripts/make_components.py    # every command below, then this document",
-        *[command(name) for name in RUNS],
-        "```",
-    ]
-    return "\n".join(lines).rstrip() + "\n"
+    return fill("components.md", commands="\n".join(command(name) for name in RUNS),
+                **collectives_values({n: d for n in (2, 4) if (d := load(f"collectives_{n}"))}),
+                **ddp_values(load("ddp")), **ring_values({n: d for n in (2, 4) if (d := load(f"ring_{n}"))}),
+                **zero_values(load("zero")), **memory_values(load("memory")), **train_values(load("train")))
 
 
 DOCUMENT = Document(Path(__file__), DOC, render, {name: functools.partial(run, name) for name in RUNS})
