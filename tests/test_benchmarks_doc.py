@@ -157,6 +157,9 @@ def test_every_document_script_declares_its_document_to_the_one_pipeline():
         tree = ast.parse((ROOT / "scripts" / name).read_text())
         assert not any(isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names) for n in ast.walk(tree))
         assert module.main.__module__ == "doc_pipeline"
+    scripts = "".join(p.read_text() for p in [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts" / "lib").glob("*.py")])
+    for template in (ROOT / "scripts" / "templates").glob("*.md"):  # each document's text, filled by its script
+        assert re.search(rf'fill\(\s*"{re.escape(template.name)}"', scripts), f"{template.name}: no script fills it"
     library = "".join(p.read_text() for p in (ROOT / "minidist").rglob("*.py"))
     assert "argparse.ArgumentParser(description=description)" not in library and "def provenance(repo" not in library
 
