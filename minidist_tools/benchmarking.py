@@ -50,9 +50,10 @@ def strategy_options(name: str, **overrides):
 def _yaml_config(name: str):
     from omegaconf import OmegaConf
 
-    from minidist.train.config import ConfigError, config_dir
+    from minidist.train.config import ConfigError
+    from minidist.train.strategies.registry import CONFIG_DIR
 
-    path = config_dir() / "strategy" / f"{name}.yaml"
+    path = CONFIG_DIR / f"{name}.yaml"
     if not path.is_file():
         raise ConfigError(f"strategy={name!r} has no config {path}: add one (the strategy's defaults live there)")
     node = OmegaConf.load(path)

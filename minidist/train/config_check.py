@@ -234,15 +234,14 @@ def check_keys_read(cfg) -> None:
 def compose_defaults():
     """The trainer's default config, as configs/ defines it (what every key's existence is checked
     against); composed once a process (read only)."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
 
-    from minidist.train.config import config_dir
+    from minidist.train.config import compose_fresh
 
     if GlobalHydra.instance().is_initialized():  # inside a Hydra app: compose on its own
         return compose(config_name="train")
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose(config_name="train")
+    return compose_fresh("train")
 
 
 def check_optimizer_arguments(cls, kwargs: dict) -> None:
