@@ -34,7 +34,8 @@ from minidist_tools.report import (bytes_table, interval, markdown_table, memory
                                      table_rows, targets_lines)
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
 import diloco_doc  # noqa: E402
-from doc_pipeline import Document, fill, fill_quotes, load as load_record, main, provenance, record, run_recipe  # noqa: E402
+from doc_pipeline import (Document, fill, fill_quotes, load as load_record, made_by, main, mib,  # noqa: E402
+                          provenance, record, results_of, run_recipe)
 
 OUT = ROOT / "outputs" / "benchmarks"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -118,10 +119,6 @@ def copy_figures(name: str) -> None:
 
 def ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
-
-
-def mib(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB"
 
 
 def run_values(prefix: str, r: dict) -> dict:
@@ -315,8 +312,7 @@ def checkpoint_run() -> None:
 def checkpoint_values() -> dict:
     if not CHECKPOINT.is_file():
         return {"checkpoint": False}
-    d = load_record(CHECKPOINT)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(CHECKPOINT)
     m, ratio = r["medians"], r["blocked_ratio"]
     lo, hi = ratio["ci"]
     body = [[way, f"{m[way]['blocked_s']:.2f} s", f"{m[way]['write_s']:.2f} s", f"{m[way]['step_s'] * 1e3:.0f} ms"]
@@ -324,8 +320,7 @@ def checkpoint_values() -> dict:
     # What the background writer costs the steps it runs beside, and the net of the two.
     total = {way: r["steps"] * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
     return dict(
-        checkpoint=True, ckpt_command=p["command"], ckpt_date=p["date"], ckpt_commit=p["commit"][:12],
-        ckpt_model=r["model"], ckpt_strategy=r["strategy"], ckpt_world=r["world_size"], ckpt_steps=r["steps"],
+        checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_strategy=r["strategy"], ckpt_world=r["world_size"], ckpt_steps=r["steps"],
         ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_ratio=f"{ratio['median']:.3f}", ckpt_ci=f"{lo:.3f}-{hi:.3f}",
         ckpt_table=markdown_table(["checkpoints", "training blocked (all saves)", "writing the files", "median step"], body),
         ckpt_target=f"{CHECKPOINT_TARGET:g}", ckpt_met="met" if hi < CHECKPOINT_TARGET else
@@ -343,8 +338,7 @@ def muon_values() -> dict:
     """scripts/measure_muon.py: Muon + AdamW under ZeRO: state per rank, bytes, ZeRO-1's step time."""
     if not MUON.is_file():
         return {"muon": False}
-    d = load_record(MUON)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(MUON)
     n, hidden, psi = r["world_size"], r["hidden"], r["psi"]
     body = []
     for name, v in r["variants"].items():
@@ -358,7 +352,7 @@ def muon_values() -> dict:
     worst = max((v["sent_bytes"] / r["variants"][k.replace("Muon + AdamW", "AdamW")]["sent_bytes"], k)
                 for k, v in r["variants"].items() if "Muon" in k)
     return dict(
-        muon=True, muon_command=p["command"], muon_date=p["date"], muon_commit=p["commit"][:12], muon_world=n,
+        muon=True, **made_by(p, "muon_"), muon_world=n,
         muon_psi_m=f"{psi / 1e6:.2f}", muon_hidden_m=f"{hidden / 1e6:.2f}", muon_steps=len(r["step_s"]["ZeRO-1"]),
         muon_table=markdown_table(["variant", "optimizer state MiB per rank", "formula MiB", "/ formula",
                                    "bytes sent MiB", "/ AdamW alone"], body),
@@ -389,8 +383,7 @@ def wires_values() -> dict:
     """scripts/measure_wires.py: zero3 with and without int8 wires, bytes by collective and the loss."""
     if not WIRES.is_file():
         return {"wires": False}
-    d = load_record(WIRES)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(WIRES)
     runs = r["runs"]
     steps = sorted({x["steps"] for x in runs})
     plain = {s: next(x for x in runs if x["steps"] == s and x["variant"] == "plain") for s in steps}
@@ -406,8 +399,7 @@ def wires_values() -> dict:
     ratio, worst, judged = wires_figures(r)
     theory = r["theory"]
     return dict(
-        wires=True, wires_command=p["command"], wires_date=p["date"], wires_commit=p["commit"][:12],
-        wires_model=r["model"], wires_psi_m=f"{runs[0]['parameters'] / 1e6:.2f}", wires_world=runs[0]["world_size"],
+        wires=True, **made_by(p, "wires_"), wires_model=r["model"], wires_psi_m=f"{runs[0]['parameters'] / 1e6:.2f}", wires_world=runs[0]["world_size"],
         wires_strategy=r["strategy"], wires_lengths=" and ".join(map(str, steps)), quant_block=r["quant_block"],
         wires_table=markdown_table(["variant", "bytes per step", "vs plain", "reduce_scatter", "all_gather",
                                     *(f"val loss, {s} steps" for s in steps)], body),
@@ -427,8 +419,7 @@ def before_after_values() -> dict:
     """scripts/measure_ddp_before_after.py: ddp / native_ddp before a change and after it."""
     if not BEFORE_AFTER.is_file():
         return {"before_after": False}
-    d = load_record(BEFORE_AFTER)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(BEFORE_AFTER)
     body, said = [], []
     for model, row in r["models"].items():
         b, a = row["before"], row["after"]
@@ -440,8 +431,8 @@ def before_after_values() -> dict:
                     f"interval is: {'met' if a['ci'][1] <= 1.0 else 'not decided by this run' if a['ci'][0] <= 1.0 else 'NOT met'}), "
                     + ("its interval overlaps before's: no cost measurable" if overlap
                        else "its interval does not overlap before's: a measurable change"))
-    return dict(before_after=True, ba_change=r.get("change", "`grad_wire=null` (the default)"), ba_command=p["command"],
-                ba_date=p["date"], ba_commit=p["commit"][:12], ba_before=r["before"][:12],
+    return dict(before_after=True, ba_change=r.get("change", "`grad_wire=null` (the default)"),
+                **made_by(p, "ba_"), ba_before=r["before"][:12],
                 ba_table=markdown_table(["model", "before", "after"], body), ba_verdicts="; ".join(said))
 
 
@@ -454,8 +445,7 @@ def zeropp_values() -> dict:
     """scripts/zeropp_local.sh: step times on emulated hosts with shaped links."""
     if not ZEROPP.is_file():
         return {"zeropp": False}
-    d = load_record(ZEROPP)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(ZEROPP)
     v = r["variants"]
     med = {k: statistics.median(x["step_s"]) for k, x in v.items()}
     body = [[k, f"{med[k] * 1e3:.0f} ms", ", ".join(f"{s * 1e3:.0f}" for s in x["step_s"]),
@@ -463,7 +453,7 @@ def zeropp_values() -> dict:
              mib(x["host_tx_bytes_per_step"])] for k, x in v.items()]
     vs = zeropp_ratios(v)
     return dict(
-        zeropp=True, zpp_command=p["command"], zpp_date=p["date"], zpp_commit=p["commit"][:12], zpp_hosts=r["hosts"],
+        zeropp=True, **made_by(p, "zpp_"), zpp_hosts=r["hosts"],
         zpp_per_host=r["per_host"], zpp_rate=r["rate"], zpp_rounds=len(v["zero3"]["step_s"]),
         zpp_table=markdown_table(["variant", "median step", "each round (ms)", "sent per rank (traced)",
                                   "out of each host per step"], body),

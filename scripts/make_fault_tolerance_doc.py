@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
-from doc_pipeline import Document, fill, fill_quotes, load, main, provenance, record  # noqa: E402
+from doc_pipeline import Document, fill, fill_quotes, load, made_by, main, provenance, record  # noqa: E402
 
 DOC = ROOT / "docs" / "fault_tolerance.md"
 DATA = ROOT / "docs" / "fault_tolerance" / "data" / "soak.json"
@@ -78,7 +78,7 @@ def render() -> str:
     if elastic is not None:
         e, w = elastic["results"], elastic["results"]["world_sizes"]
         values.update(
-            worlds=" -> ".join(map(str, w)), e_command=elastic["provenance"]["command"], accum_factor=w[0] // w[1],
+            worlds=" -> ".join(map(str, w)), accum_factor=w[0] // w[1],
             leave_s=f"{e['seconds_loss_to_leaving']:.1f}", peer_timeout_s=f"{e['peer_timeout_s']:g}", smaller=w[1],
             first_step_s=f"{e['seconds_loss_to_first_step']:.1f}", e_redone=e["steps_redone_after_loss"],
             reached=e["reached_before_loss"], resumed_at=e["resumed_at_steps"][0],
@@ -87,8 +87,7 @@ def render() -> str:
             stopped_cleanly=e.get("steps_redone_after_return") == 0,
             same="bitwise equal" if e["bitwise"] else f"within {e['largest_relative_difference']:.1e} relative",
             samples="identical" if e["samples_identical"] else "DIFFERENT", last_call_s=f"{e['last_call_timeout_s']:g}",
-            e_torch=elastic["provenance"]["torch"], e_date=elastic["provenance"]["date"],
-            e_commit=elastic["provenance"]["commit"][:12])
+            **made_by(elastic["provenance"], "e_", "torch"))
     return fill("fault_tolerance.md", **values)
 
 

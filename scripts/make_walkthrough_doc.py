@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
-from doc_pipeline import Document, fill, load, main, provenance, record, run_recipe  # noqa: E402
+from doc_pipeline import Document, fill, made_by, main, results_of, provenance, record, run_recipe  # noqa: E402
 from minidist_tools.report import markdown_table  # noqa: E402
 
 OUT = ROOT / "outputs" / "walkthrough_doc"
@@ -52,8 +52,7 @@ def ms(s: float | None) -> str:
 
 
 def render() -> str:
-    d = load(DATA)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(DATA)
     rows = r["rows"]
     headers = ["step", "file", "max difference from native DDP", "collectives per step", "median step",
                "exposed communication", "hidden behind compute (profiled step)"]
@@ -69,7 +68,7 @@ def render() -> str:
     naive, buckets, overlap, zero1 = (rows[n] for n in FILES)
     ratio = lambda a: f"{a['step_s'] / rows['native DDP']['step_s']:.2f}"  # noqa: E731
     hidden = lambda a: f"{100 * (a['hidden_fraction'] or 0):.0f}"  # noqa: E731
-    return fill("walkthrough.md", command=COMMAND, commit=p["commit"][:12], torch=p["torch"], date=p["date"],
+    return fill("walkthrough.md", **made_by(p, "", "torch"),
                 world_size=r["world_size"], parameters_m=f"{r['parameters'] / 1e6:.2f}", warmup=r["warmup"],
                 steps=r["steps"], bucket_cap_mb=f"{r['bucket_cap_mb']:g}", table=markdown_table(headers, body),
                 equal=equal, exact=worst == 0 and r["world_size"] == 2,

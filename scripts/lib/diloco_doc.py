@@ -13,7 +13,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from doc_pipeline import load as load_record
+from doc_pipeline import load as load_record, made_by, mib, results_of
 from minidist_tools.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,10 +23,6 @@ SHAPED = DATA / "diloco_shaped.json"
 LOSS_BOUND = 0.03     # the issue's: diloco at H = 8 within 3% of ddp's validation loss at the same tokens
 BYTES_BOUND = 1 / 8   # ... with at most 1/8 of ddp's bytes per step
 TIME_GOAL = 0.5       # on the slowest link, ddp's final loss in under half of ddp's time
-
-
-def mib(b: float) -> str:
-    return f"{b / 2**20:.2f} MiB"
 
 
 def quality_figures(r: dict) -> dict:
@@ -39,8 +35,7 @@ def quality_figures(r: dict) -> dict:
 def quality_values() -> dict:
     if not QUALITY.is_file():
         return {"quality": False}
-    d = load_record(QUALITY)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(QUALITY)
     ddp = r["runs"][0]  # the reference, run first
     body = [[x["variant"], mib(x["bytes_per_step"]), mib(r["theory_bytes_per_step"][x["variant"]]),
              f"{x['bytes_per_step'] / ddp['bytes_per_step']:.3f}x", f"{x['val_loss']:.4f}",
@@ -49,7 +44,7 @@ def quality_values() -> dict:
     f = quality_figures(r)
     partial = sorted({x["sync_every"] for x in r["runs"] if r["steps"] % x["sync_every"]})
     return dict(
-        quality=True, q_command=p["command"], q_commit=p["commit"][:12], q_date=p["date"], q_model=r["model"],
+        quality=True, **made_by(p, "q_"), q_model=r["model"],
         q_steps=r["steps"], q_partial=", ".join(map(str, partial)), q_loss=f"{f['loss']:+.2%}", q_bytes=f"{f['bytes']:.3f}",
         q_table=markdown_table(["variant", "bytes per step", "theory", "vs ddp", "validation loss", "vs ddp",
                                 "model state"], body),
@@ -111,8 +106,7 @@ def shaped_plot(r: dict, path: Path) -> None:
 def shaped_values(img: Path) -> dict:
     if not SHAPED.is_file():
         return {"shaped": False}
-    d = load_record(SHAPED)
-    r, p = d["results"], d["provenance"]
+    r, p = results_of(SHAPED)
     shaped_plot(r, img / "diloco_shaped.png")
     figures = shaped_figures(r)
     tables = []
@@ -128,7 +122,7 @@ def shaped_values(img: Path) -> dict:
     slowest = min(r["rates"], key=rate_mbit)
     best = min((t for t in figures[slowest].values() if t is not None), default=None)
     return dict(
-        shaped=True, s_command=p["command"], s_commit=p["commit"][:12], s_date=p["date"], s_hosts=r["hosts"],
+        shaped=True, **made_by(p, "s_"), s_hosts=r["hosts"],
         s_per_host=r["per_host"], s_delay="" if r["delay"] == "none" else r["delay"], s_no_delay=r["delay"] == "none",
         s_steps=r["steps"], s_rates="\n\n".join(tables) + "\n", s_slowest=slowest,
         s_best="" if best is None else f"{best:.2f}", s_none=best is None, s_goal=f"{TIME_GOAL:.1f}",

@@ -50,6 +50,18 @@ def provenance(command: str, torch_version: str, repo: Path = ROOT, **extra) -> 
             "torch": torch_version, "date": time.strftime("%Y-%m-%d"), **extra}
 
 
+def made_by(provenance: dict, prefix: str = "", *fields: str) -> dict:
+    """A data file's command, date and short commit (and `fields` of its provenance, as torch) as
+    template values named `prefix`command, `prefix`date, ...: where a document says what measured it."""
+    values = {"command": provenance["command"], "date": provenance["date"], "commit": provenance["commit"][:12],
+              **{f: provenance[f] for f in fields}}
+    return {prefix + k: v for k, v in values.items()}
+
+
+def mib(b: float) -> str:
+    return f"{b / 2**20:.2f} MiB"
+
+
 def record(path: Path, results: dict, provenance: dict, wall_s: float | None = None, sort_keys: bool = False) -> None:
     """Write one data file in the schema above (`sort_keys`: where the results' own order means
     nothing; otherwise it is kept, as tables render rows in it)."""
@@ -66,6 +78,12 @@ def load(path: Path) -> dict:
         raise SystemExit(f"{path}: not a document data file (needs provenance with commit, command, torch, date, "
                          "and results): rerun the script that writes it")
     return data
+
+
+def results_of(path: Path) -> tuple[dict, dict]:
+    """A data file's (results, provenance), checked as load() checks it."""
+    data = load(path)
+    return data["results"], data["provenance"]
 
 
 def run_recipe(recipe: str, overrides: list[str], run_dir: Path, result_file: str = "results.json",
