@@ -320,7 +320,8 @@ def checkpoint_values() -> dict:
     # What the background writer costs the steps it runs beside, and the net of the two.
     total = {way: r["steps"] * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
     return dict(
-        checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_strategy=r["strategy"], ckpt_world=r["world_size"], ckpt_steps=r["steps"],
+        checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_strategy=r["strategy"],
+        ckpt_world=r["world_size"], ckpt_steps=r["steps"],
         ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_ratio=f"{ratio['median']:.3f}", ckpt_ci=f"{lo:.3f}-{hi:.3f}",
         ckpt_table=markdown_table(["checkpoints", "training blocked (all saves)", "writing the files", "median step"], body),
         ckpt_target=f"{CHECKPOINT_TARGET:g}", ckpt_met="met" if hi < CHECKPOINT_TARGET else
@@ -399,7 +400,8 @@ def wires_values() -> dict:
     ratio, worst, judged = wires_figures(r)
     theory = r["theory"]
     return dict(
-        wires=True, **made_by(p, "wires_"), wires_model=r["model"], wires_psi_m=f"{runs[0]['parameters'] / 1e6:.2f}", wires_world=runs[0]["world_size"],
+        wires=True, **made_by(p, "wires_"), wires_model=r["model"], wires_psi_m=f"{runs[0]['parameters'] / 1e6:.2f}",
+        wires_world=runs[0]["world_size"],
         wires_strategy=r["strategy"], wires_lengths=" and ".join(map(str, steps)), quant_block=r["quant_block"],
         wires_table=markdown_table(["variant", "bytes per step", "vs plain", "reduce_scatter", "all_gather",
                                     *(f"val loss, {s} steps" for s in steps)], body),

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
-from doc_pipeline import Document, fill, made_by, main, results_of, provenance, record, run_recipe  # noqa: E402
+from doc_pipeline import Document, fill, made_by, main, provenance, record, results_of, run_recipe  # noqa: E402
 from minidist_tools.report import markdown_table  # noqa: E402
 
 OUT = ROOT / "outputs" / "walkthrough_doc"
