@@ -335,6 +335,7 @@ class BucketedBackward:
         self._ready_order: list[int] = []
         self.launched = 0                   # buckets launched so far in this backward (a prefix)
         self.last_wait_s = 0.0              # how long the last backward waited for communication at its end
+        self.synced_backwards = 0           # backwards that reduced gradients so far
         self.set_buckets(buckets)
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -428,6 +429,7 @@ class BucketedBackward:
                 self.reducer._after_backward(used_anywhere)
         finally:
             self._in_backward = False
+            self.synced_backwards += 1
         if self._record_ready_order:
             self._record_ready_order = False
             self.reducer._on_first_backward_done(list(self._ready_order))

@@ -10,6 +10,8 @@ average in `bucket.buffer`. PowerSGD's algorithm: docs/internals.md, "parallel/c
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from minidist import comm
@@ -214,6 +216,75 @@ class _PowerStep:
             for _, view in self.vectors:
                 view.copy_(self.flat[offset:offset + view.numel()].view_as(view))
                 offset += view.numel()
+
+
+class GradBucket:
+    """What a native DDP comm hook is handed: torch.distributed.GradBucket's methods, over one of our
+    buckets (torch's GradBucket cannot be built from Python)."""
+
+    def __init__(self, bucket: Bucket, params: list[torch.Tensor], count: int):
+        self._bucket, self._params, self._count = bucket, params, count
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._bucket.buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self._params[i] for i in self._bucket.param_ids]
+
+    def is_last(self) -> bool:
+        return self._bucket.index == self._count - 1
+
+
+def check_native_hook(hook) -> None:
+    """register_comm_hook's checks, with native DDP's messages."""
+    if not callable(hook):
+        raise TypeError("Communication hook must be callable.")
+    signature = inspect.signature(hook)
+    if "bucket" in signature.parameters and signature.parameters["bucket"].annotation not in (
+            inspect.Parameter.empty, torch.distributed.GradBucket, GradBucket):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+    if signature.return_annotation not in (inspect.Signature.empty, torch.futures.Future[torch.Tensor]):
+        raise ValueError("Communication hook: return annotation should be torch.futures.Future[torch.Tensor].")
+
+
+class NativeHook:
+    """A hook given to register_comm_hook, called as native DDP calls it (see DataParallel.register_comm_hook)."""
+
+    def __init__(self, state, hook):
+        self.state, self.hook = state, hook
+        self.__name__ = getattr(hook, "__name__", "native_hook")
+
+    def __call__(self, bucket: GradBucket):
+        future = self.hook(self.state, bucket)
+        if not isinstance(future, torch._C.Future):  # (torch.futures.Future, and what get_future() returns)
+            raise RuntimeError(f"callback must return a torch.futures.Future object, but got {type(future)}")
+        return _FutureInto(future, bucket._bucket)
+
+
+class _FutureInto:
+    def __init__(self, future, bucket: Bucket):
+        self.future, self.bucket = future, bucket
+
+    def wait(self) -> None:
+        value = self.future.wait()
+        value = value[0] if isinstance(value, (list, tuple)) else value  # an all_reduce's future holds a list
+        if value is not self.bucket.buffer:
+            self.bucket.buffer.copy_(value)
+
+
+# Native DDP's internals some scripts and PyTorch's own tests call, and why DataParallel has none.
+NATIVE_INTERNALS = {
+    name: "native DDP's internal logging; minidist's timings are model.last_wait_s and the profiler "
+          "(minidist.profiling)" for name in ("_get_ddp_logging_data", "_set_ddp_runtime_logging_sample_rate")}
 
 
 def resolve_hook(comm_hook, grad_wire=None, quant_block: int = QUANT_BLOCK):

@@ -128,6 +128,19 @@ def check_materialised(module: nn.Module, wrapper: str) -> None:
             "with the same seed, then wrap (rank 0's values are broadcast).")
 
 
+def check_trainable(module: nn.Module) -> None:
+    """Refuse what DataParallel cannot reduce: a module with no parameter that requires a gradient
+    (as native DDP does), or one whose gradients come sparse (its buckets are dense)."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise RuntimeError("DataParallel: the module has no parameter that requires a gradient, so there is "
+                           "nothing to synchronise (native DDP refuses it too): use it unwrapped")
+    for name, m in module.named_modules():
+        if getattr(m, "sparse", False) is True and any(p.requires_grad for p in m.parameters(recurse=False)):
+            raise ValueError(f"DataParallel: {name or 'the module'!r} ({type(m).__name__}) makes sparse gradients, "
+                             "which the dense gradient buckets cannot hold: build it with sparse=False (a dense "
+                             "gradient of the same values), or freeze it (requires_grad=False)")
+
+
 def check_not_wrapped(module: nn.Module, wrapper: str) -> None:
     """Refuse a module another minidist wrapper already holds: its parameters belong to that one
     (views into its flat shards, hooks that reduce its gradients), so a second wrapper would reduce

@@ -22,9 +22,9 @@ from minidist.comm.wire import QUANT_BLOCK
 from minidist.measure import measure, optimizer_tensors
 from minidist.parallel.buckets import (Bucket, BucketedBackward, GradientSyncSwitch, MiB, broadcast_coalesced,
                                        plan_buckets)
-from minidist.parallel.comm_hooks import resolve_hook
-from minidist.parallel.compat import (BufferSync, check_devices, check_materialised, check_not_wrapped, mark_wrapped,
-                                      process_group_of, refuse_unknown)
+from minidist.parallel.comm_hooks import NATIVE_INTERNALS, GradBucket, NativeHook, check_native_hook, resolve_hook
+from minidist.parallel.compat import (BufferSync, check_devices, check_materialised, check_not_wrapped, check_trainable,
+                                      mark_wrapped, process_group_of, refuse_unknown)
 from minidist.parallel.join import DataParallelJoin
 
 
@@ -138,21 +138,48 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         self._last_cap_bytes = None if last_bucket_mb is None else int(last_bucket_mb * MiB)
         self._closing = bucket_closing
 
+        self._hook_given = comm_hook is not None or grad_wire is not None
+        self._overlap = overlap
+        check_trainable(module)
         if init_sync:
             replicate_from_source(module, self.source_rank, process_group)
+        self._attach(find_unused_parameters)
+        mark_wrapped(module, "DataParallel")
+
+    def _attach(self, find_unused_parameters: bool) -> None:
+        """Buckets, gradient hooks and the buffer broadcast: what a wrapper holds beyond its settings
+        (built again when a pickled wrapper is loaded)."""
         # named_parameters() yields a shared (tied) parameter once: it is reduced once.
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self._buffer_sync = BufferSync(module, broadcast_buffers, self.world_size, self.source_rank, process_group)
-
+        self._buffer_sync = BufferSync(self.module, self.broadcast_buffers, self.world_size, self.source_rank,
+                                       self.process_group)
         # Record the order gradients arrive in during the first synced backward, then rebuild.
         self._backward = BucketedBackward(
             self, self._names, self._params, self._allocate_buckets(list(reversed(range(len(self._params))))),
-            world_size=self.world_size, process_group=process_group, overlap=overlap,
+            world_size=self.world_size, process_group=self.process_group, overlap=self._overlap,
             find_unused_parameters=find_unused_parameters, record_ready_order=True, fill_when_complete=True)
         self._adopt_gradients()
-        mark_wrapped(module, "DataParallel")
+
+    # Pickling (torch.save(model)), as native DDP: what lives only in this process (the process group,
+    # gradient hooks, buckets with collectives in flight) is left out, and built again on loading, on the
+    # default process group.
+    _PROCESS_LOCAL = ("process_group", "_buffer_sync", "_backward", "_join")
+
+    def __getstate__(self) -> dict:
+        if self.process_group not in (None, dist.group.WORLD):
+            raise RuntimeError("DataParallel: a wrapper pickles (torch.save(model)) only on the default process "
+                               "group, which it is loaded onto; save model.module or model.state_dict() instead")
+        state = {k: v for k, v in self.__dict__.items() if k not in self._PROCESS_LOCAL}
+        state["_find_unused"] = self.find_unused_parameters
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        find_unused = state.pop("_find_unused")
+        super().__setstate__(state)
+        self.process_group, self.world_size, self.source_rank = None, dist.get_world_size(), 0
+        self._attach(find_unused)
 
     # ----------------------------------------------------------------------- buckets
 
@@ -220,7 +247,7 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
     _PER_PARAMETER_FROM_BYTES = 64 * 1024
 
     def _fill_bucket(self, bucket: Bucket) -> None:
-        scale = 1.0 / self.world_size
+        scale = 1.0 if isinstance(self.comm_hook, NativeHook) else 1.0 / self.world_size  # native hooks divide
         one_pass = bucket.buffer.numel() * bucket.buffer.element_size() >= \
             self._PER_PARAMETER_FROM_BYTES * len(bucket.param_ids)
         targets, sources = [], []
@@ -229,7 +256,7 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
             if grad is None:
                 view.zero_()
             elif self.gradient_as_bucket_view and grad.data_ptr() == view.data_ptr():
-                if one_pass:
+                if one_pass and scale != 1.0:
                     view.mul_(scale)  # backward accumulated straight into the bucket
             elif one_pass:
                 torch.mul(grad, scale, out=view)
@@ -241,10 +268,42 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         if not one_pass:
             if targets:
                 torch._foreach_copy_(targets, sources)
-            bucket.buffer.mul_(scale)
+            if scale != 1.0:
+                bucket.buffer.mul_(scale)
 
     def _launch(self, bucket: Bucket):
+        if isinstance(self.comm_hook, NativeHook):  # native's contract: a GradBucket in, a Future out
+            return self.comm_hook(GradBucket(bucket, self._params, len(self._buckets)))
         return self.comm_hook(bucket)
+
+    def register_comm_hook(self, state, hook: Callable) -> None:
+        """Native DDP's: `hook(state, bucket)` reduces each bucket and returns a torch.futures.Future
+        (torch's own hooks: allreduce_hook, fp16/bf16_compress_hook, powerSGD_hook, or yours, `.then()`
+        chains too). As in native DDP, `bucket.buffer()` holds this rank's gradients undivided, and the
+        tensor the Future ends with is what the bucket's gradients become. Once, before the first
+        backward, and not beside comm_hook= or grad_wire= (which take our hooks, over buckets of grad / N)."""
+        check_native_hook(hook)
+        if self._hook_given:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self._backward.synced_backwards:
+            raise RuntimeError("DataParallel: register_comm_hook after a backward has reduced with another hook: "
+                               "register it right after wrapping, before training (as native DDP requires)")
+        self._hook_given = True
+        self.comm_hook = NativeHook(state, hook)
+
+    def _set_static_graph(self) -> None:
+        """Native DDP's late `static_graph=True`, which changes nothing here (static_graph is accepted);
+        refused, as native, once training started."""
+        if self._backward.synced_backwards:
+            raise RuntimeError("DataParallel: _set_static_graph() should be called before training loop starts")
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in NATIVE_INTERNALS:
+                raise AttributeError(f"DataParallel has no {name} ({NATIVE_INTERNALS[name]})") from None
+            raise
 
     def _after_backward(self, used_anywhere: list[bool] | None) -> None:
         targets, sources = [], []
