@@ -106,7 +106,8 @@ class FlatShard:
     def __init__(self, index: int, names: list[str], params: list[nn.Parameter], *, rank: int,
                  world_size: int, group, compute_dtype: torch.dtype | None, keep_full: bool,
                  algorithm: str = "backend", groups: list[int] | None = None, n_groups: int = 1, wire=None,
-                 values: torch.Tensor | None = None, whole_groups: frozenset = frozenset(),
+                 values: torch.Tensor | None = None, master: torch.Tensor | None = None,
+                 whole_groups: frozenset = frozenset(),
                  load: tuple[int, ...] | None = None):
         self.index, self.rank, self.world_size, self.group = index, rank, world_size, group
         self.algorithm = algorithm  # of its all_gathers: see minidist.comm.choose_algorithm
@@ -132,18 +133,22 @@ class FlatShard:
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
 
         with torch.no_grad():
-            if values is None:  # (given: the parameters view it already, laid out as here: meta_init.py)
+            if master is not None:  # a meta-built model (meta_init.py): `values` is untouched, the shard holds values
+                self.master = master
+                self.full = values if values.dtype == self.compute_dtype else \
+                    torch.empty(self.padded, dtype=self.compute_dtype, device=self.device)
+            else:
                 values = torch.zeros(self.padded, dtype=self.master_dtype, device=self.device)
                 for slot, p in zip(self.slots, params):
                     values[slot.offset:slot.offset + slot.numel].copy_(p.reshape(-1))
-            self.full = values.to(self.compute_dtype) if self.compute_dtype != self.master_dtype else values
-            # Stages 1-2 in full precision: the master shard *is* the owned slice of the
-            # parameters (no copy). Otherwise it is a separate fp32 tensor: also under a wire
-            # format, whose rounded values the gather writes into every slice of `full`.
-            if keep_full and self.compute_dtype == self.master_dtype and wire is None:
-                self.master = self.full[self.lo:self.hi]
-            else:
-                self.master = values[self.lo:self.hi].clone()
+                self.full = values.to(self.compute_dtype) if self.compute_dtype != self.master_dtype else values
+                # Stages 1-2 in full precision: the master shard *is* the owned slice of the
+                # parameters (no copy). Otherwise it is a separate fp32 tensor: also under a wire
+                # format, whose rounded values the gather writes into every slice of `full`.
+                if keep_full and self.compute_dtype == self.master_dtype and wire is None:
+                    self.master = self.full[self.lo:self.hi]
+                else:
+                    self.master = values[self.lo:self.hi].clone()
             self._cut_into_pieces(n_groups, whole_groups)
             for slot, p in zip(self.slots, params):
                 p.data = self.full[slot.offset:slot.offset + slot.numel].view(slot.shape)

@@ -60,6 +60,56 @@ class _OwnTensorsOnly(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Whole(Exception):
+    """An initialisation _SliceInit cannot follow slice by slice: materialise the module whole instead."""
+
+
+class _SliceInit(TorchDispatchMode):
+    """Runs a module's initialisation on its meta parameters, keeping only [lo, hi) of the unit's flat
+    buffer (this rank's shard) in `out`. A random fill (uniform_, normal_) runs over the whole tensor in
+    chunks of one reused buffer: torch's CPU generator draws in element order (normal_ in blocks of 16),
+    so the values and the generator's state after it are one call's. An in-place op with scalars only
+    (fill_, zero_, mul_, clamp_, ...) runs on the slice. Anything else that writes raises _Whole."""
+
+    CHUNK = (1 << 14) - 16  # elements drawn at a time (a multiple of 16; with a tail of up to 16 more, 64 KiB fp32)
+    RANDOM = {torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default}
+    SCALAR = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default, torch.ops.aten.mul_.Scalar,
+              torch.ops.aten.add_.Scalar, torch.ops.aten.sub_.Scalar, torch.ops.aten.div_.Scalar,
+              torch.ops.aten.erfinv_.default, torch.ops.aten.clamp_.default}
+
+    def __init__(self, where: dict[int, int], out: torch.Tensor | None, lo: int, hi: int):
+        super().__init__()
+        self.where, self.out, self.lo, self.hi, self.written = where, out, lo, hi, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        p = args[0] if args and id(args[0]) in self.where else None
+        scalars = not any(isinstance(t, torch.Tensor) for t in tree_leaves((args[1:], kwargs)))
+        if p is not None and scalars and (func in self.RANDOM or func in self.SCALAR):
+            self._apply(func, p, args[1:], kwargs)
+            self.written.add(id(p))
+            return p
+        if func._schema.is_mutable:
+            raise _Whole
+        return func(*args, **kwargs)
+
+    def _apply(self, func, p: torch.Tensor, args, kwargs) -> None:
+        at, n = self.where[id(p)], p.numel()
+        a, b = max(self.lo - at, 0), min(self.hi - at, n)  # this rank's elements of p
+        mine = lambda lo, hi: self.out[at + lo - self.lo:at + hi - self.lo]  # noqa: E731 - p's [lo, hi) in out
+        if func in self.SCALAR:
+            if a < b:
+                func(mine(a, b), *args, **kwargs)
+            return
+        scratch, start = torch.empty(min(n, self.CHUNK + 16), dtype=p.dtype, device="cpu"), 0
+        while start < n:
+            end = n if n - start < self.CHUNK + 16 else start + self.CHUNK  # (normal_'s last 16 drawn together)
+            chunk = func(scratch[:end - start], *args, **kwargs)
+            if max(a, start) < min(b, end):
+                mine(max(a, start), min(b, end)).copy_(chunk[max(a, start) - start:min(b, end) - start])
+            start = end
+
+
 class MetaInit:
     """Pass 1 at construction (generator states, buffers); `fill` for each unit; `finish` at the end."""
 
@@ -67,10 +117,11 @@ class MetaInit:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                        else torch.device("cpu"))
         self.init = init_fn or _reset_parameters
+        self.by_slices = init_fn is None and self.device.type == "cpu"  # (CUDA's generator draws per launch)
         self.generator = (torch.cuda.default_generators[self.device.index] if self.device.type == "cuda"
                           else torch.default_generator)
         self.generator.set_state(comm.all_gather_object(self.generator.get_state(), group=group)[0])
-        self.owners: list[tuple[nn.Module, set[int], torch.Tensor]] = []  # (module, its parameters, state before)
+        self.owners: list[tuple[nn.Module, list[nn.Parameter], torch.Tensor]] = []  # (module, its params, state before)
         with torch.no_grad():
             for m in module.modules():
                 params, buffers = list(m.parameters(recurse=False)), list(m.named_buffers(recurse=False))
@@ -85,40 +136,61 @@ class MetaInit:
                         "and no reset_parameters(), so nothing would give them values: pass init_fn=f, f(module) "
                         "initialising a module's own parameters and buffers (called for each module holding some).")
                 state = self.generator.get_state()
-                for p in params:
-                    _give(p, torch.empty_like(p, device=self.device))
-                self._run(m)
-                for p in params:  # its values come back in pass 2, in its unit's buffer
-                    _give(p, torch.empty_like(p, device="meta"))
+                self._initialise(m, params, {id(p): 0 for p in params}, None, 0, 0)  # to move the generator on
                 if params:
-                    self.owners.append((m, {id(p) for p in params}, state))
+                    self.owners.append((m, params, state))
         self.final_state = self.generator.get_state()
 
-    def _run(self, m: nn.Module) -> None:
+    def _initialise(self, m: nn.Module, params: list[nn.Parameter], where: dict[int, int],
+                    out: torch.Tensor | None, lo: int, hi: int) -> None:
+        """Run m's initialisation, its parameters' values at `where` (offsets in the unit) kept in `out`
+        where they fall in [lo, hi): slice by slice for torch's own layers (their reset_parameters, which
+        _SliceInit follows exactly, checked: every parameter written), else materialised whole."""
+        state = self.generator.get_state()
+        if self.by_slices and m.reset_parameters.__module__.startswith("torch.nn.modules."):
+            try:
+                with _SliceInit(where, out, lo, hi) as mode:
+                    self.init(m)
+                if mode.written >= {id(p) for p in params}:
+                    return
+            except _Whole:
+                pass
+            self.generator.set_state(state)
+        for p in params:
+            _give(p, torch.empty_like(p, device=self.device))
         with _OwnTensorsOnly(m):
             self.init(m)
+        for p in params:  # its values are kept in `out`, and come back in its unit's buffer
+            at, flat = where[id(p)], p.detach().reshape(-1)
+            a, b = max(lo - at, 0), min(hi - at, p.numel())
+            if out is not None and a < b:
+                out[at + a - lo:at + b - lo].copy_(flat[a:b])
+            _give(p, torch.empty_like(p, device="meta"))
 
-    def fill(self, params: list[nn.Parameter], world_size: int, whole: bool = False, load=None) -> torch.Tensor:
-        """One unit's flat buffer (FlatShard's layout: flat_shard.flat_layout) holding the parameters'
-        initial values; the parameters view it."""
+    def fill(self, params: list[nn.Parameter], world_size: int, rank: int, whole: bool = False,
+             load=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(one unit's flat buffer (FlatShard's layout: flat_shard.flat_layout), which the parameters view
+        but nothing writes; this rank's slice of it, holding the parameters' initial values)."""
         offsets, padded, _ = flat_layout([p.numel() for p in params], world_size, whole, load)
-        values = torch.zeros(padded, dtype=params[0].dtype, device=self.device)
-        ids = {id(p) for p in params}
-        for p, offset in zip(params, offsets):  # (through .data: a view's version counter would be the buffer's)
-            shape, numel = p.shape, p.numel()
-            _give(p, torch.empty(0, dtype=p.dtype, device=self.device))
-            p.data = values[offset:offset + numel].view(shape)
+        size = padded // world_size
+        mine = torch.zeros(size, dtype=params[0].dtype, device=self.device)
+        where = {id(p): offset for p, offset in zip(params, offsets)}
         with torch.no_grad():
             for m, own, state in self.owners:
-                if own & ids:
-                    if not own <= ids:
+                if any(id(p) in where for p in own):
+                    if not all(id(p) in where for p in own):
                         raise ValueError(
-                            f"ShardedDataParallel(stage=3): {type(m).__name__} holds parameters of two units, so its "
-                            "initialisation cannot run within one: choose units that keep it whole (unit_policy), "
-                            "or materialise before wrapping.")
+                            f"ShardedDataParallel(stage=3): {type(m).__name__} holds parameters of two units, so "
+                            "its initialisation cannot run within one: choose units that keep it whole "
+                            "(unit_policy), or materialise before wrapping.")
                     self.generator.set_state(state)
-                    self._run(m)
-        return values
+                    self._initialise(m, own, where, mine, rank * size, (rank + 1) * size)
+        untouched = torch.empty(padded, dtype=params[0].dtype, device=self.device)  # (no page of it is written)
+        for p, offset in zip(params, offsets):  # real tensors of their shapes, for FlatShard to point into its buffer
+            shape, numel = p.shape, p.numel()
+            _give(p, torch.empty(0, dtype=p.dtype, device=self.device))
+            p.data = untouched[offset:offset + numel].view(shape)
+        return untouched, mine
 
     def finish(self) -> None:
         """Leave the generator where initialising the whole model at once would have."""

@@ -187,8 +187,9 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         params = [self._params[i] for i in ids]
         whole = any(self._group_of[i] in self._whole_groups for i in ids)  # (FlatShard decides alike)
         load = self._owned_so_far
-        values = self._meta_init.fill(params, self.world_size, whole, load) if self._meta_init is not None else None
-        shard = FlatShard(k, [self._names[i] for i in ids], params, rank=self.rank, values=values,
+        values, master = self._meta_init.fill(params, self.world_size, self.rank, whole, load) \
+            if self._meta_init is not None else (None, None)
+        shard = FlatShard(k, [self._names[i] for i in ids], params, rank=self.rank, values=values, master=master,
                           world_size=self.world_size, group=self.process_group, compute_dtype=self.param_dtype,
                           keep_full=keep_full, algorithm=self.collectives, wire=self.param_wire,
                           groups=[self._group_of[i] for i in ids], n_groups=len(self._full_groups),

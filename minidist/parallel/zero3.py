@@ -173,6 +173,7 @@ class ZeroStage3(ShardedDataParallel):
             self._units.append(_Unit(name, sub, shard, ids))
         if self._meta_init is not None:
             self._meta_init.finish()
+            self._meta_init = None  # (its generator states, one per module, are done with)
         self._root = self._units[0] if root_ids else None
         self._shards = [u.shard for u in self._units]
         self._unit_of = {i: u for u in self._units for i in u.param_ids}
