@@ -24,6 +24,7 @@ backend keeps for itself). This measures resident set size (RSS) instead:
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from omegaconf import DictConfig
@@ -147,6 +148,31 @@ def allocate_and_free(mib: int) -> tuple[int, int]:
     alive = rss_bytes() - baseline
     del t
     return alive, rss_bytes() - baseline
+
+
+def gathers_kept(gathers: int, mib: int) -> tuple[int, str | None]:
+    """(RSS growth left after `gathers` gloo all_gathers of `mib` MiB, each freed, with small tensors made
+    between them; this rank's MALLOC_MMAP_THRESHOLD_): what a rank's allocator keeps of freed blocks."""
+    import gc
+
+    import minidist
+    import torch.distributed as dist
+
+    n = minidist.init_distributed(backend="gloo", timeout_s=120).world_size
+    dist.all_gather_into_tensor(torch.empty(n << 10), torch.ones(1 << 10))  # the same call once first
+    gc.collect()
+    baseline = rss_bytes()
+    for i in range(gathers):
+        out = torch.empty(mib << 18)
+        dist.all_gather_into_tensor(out, torch.full(((mib << 18) // n,), float(i)))
+        small = torch.randn(1000)  # noqa: F841 - small blocks between the large ones, as training makes
+        del out
+    dist.barrier()
+    time.sleep(0.2)  # gloo's worker thread lets go of the last gather's buffers just after the call returns
+    gc.collect()
+    kept = rss_bytes() - baseline
+    minidist.shutdown()
+    return kept, os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
 def launch_fresh(fn, nproc: int, args: tuple) -> dict:

@@ -362,6 +362,34 @@ def muon_values() -> dict:
         muon_pad=f"{worst[0] - 1:.1%}", muon_pad_where=worst[1])
 
 
+META_WRAP = DATA / "meta_wrap.json"
+
+
+def meta_wrap_values() -> dict:
+    """scripts/measure_meta_wrap.py: the resident set of wrapping a meta-built model, ours vs FSDP2's."""
+    if not META_WRAP.is_file():
+        return {"meta": False}
+    r, p = results_of(META_WRAP)
+    cases, body, worse = r["cases"], [], []
+    med = lambda key, f: statistics.median(c[f] for c in cases[key]) / 2**20  # noqa: E731
+    for world in r["worlds"]:
+        for allocator in ("glibc", "minidist"):
+            ours, fsdp2 = f"ours {world} {allocator}", f"fsdp2 {world} {allocator}"
+            body.append([world, allocator, *(f"{med(k, f):.1f}" for f in ("peak", "kept") for k in (ours, fsdp2)),
+                         f"{med(ours, 'state'):.1f}"])
+            worse += [f"{f} at {world} ranks ({allocator}), round {i + 1}" for f in ("peak", "kept")
+                      for i, (a, b) in enumerate(zip(cases[ours], cases[fsdp2])) if a[f] > b[f]]
+    last = f"ours {r['worlds'][-1]} minidist"
+    return dict(
+        meta=True, **made_by(p, "meta_"), meta_blocks=r["blocks"], meta_width=r["width"], meta_rounds=r["rounds"],
+        meta_model=f"{r['blocks'] * 2 * (r['width'] + 1) * r['width'] * 4 / 2**20:.0f}",
+        meta_table=markdown_table(["ranks", "allocator", "peak: ours", "peak: FSDP2", "kept: ours", "kept: FSDP2",
+                                   "model state a rank"], body),
+        meta_verdict="met" if not worse else "NOT met: " + "; ".join(worse), meta_world=r["worlds"][-1],
+        meta_state=f"{med(last, 'state'):.1f}", meta_anon=f"{med(last, 'kept_anon') - med(last, 'state'):.1f}",
+        meta_file=f"{med(last, 'kept') - med(last, 'kept_anon'):.1f}")
+
+
 WIRES = DATA / "wires_zero3.json"
 ZEROPP = DATA / "zeropp_shaped.json"
 WIRE_BYTES_GOAL = 0.35   # int8 weights + gradients: at most this share of plain zero3's bytes per step
@@ -509,7 +537,7 @@ def render(img: Path = IMG) -> str:
         **bucket_values({b: load(f"bucket_{b}") for b in BUCKETS if have(f"bucket_{b}")}, img),
         **bound_values({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
                         if have(f"bound_{m}_{o}")}),
-        **hybrid_values(), **accumulate_values(), **checkpoint_values(), **wires_values(), **muon_values(),
+        **hybrid_values(), **accumulate_values(), **checkpoint_values(), **wires_values(), **muon_values(), **meta_wrap_values(),
         **diloco_doc.values(img))
 
 

@@ -48,3 +48,11 @@ def test_ignored_outputs_and_unused_parameters_as_natives(ranks):
     for rank, r in enumerate(ranks(2).run(torch_ddp_cases.unused_and_ignored_outputs)):
         assert r["same_none"] and r["unused_none"], f"rank {rank}: .grad None where native's is not, or back"
         assert r["equal"], f"rank {rank}: gradients differ from native DDP's"
+
+
+def test_sharded_data_parallel_refuses_a_ddp_scripts_native_calls_naming_the_way(ranks):
+    errors = ranks(2).run(torch_ddp_cases.sharded_refusals)[0]
+    for stage in (1, 2, 3):
+        assert errors[f"save {stage}"].startswith("TypeError: ShardedDataParallel cannot be pickled"), errors
+        assert "full_state_dict()" in errors[f"save {stage}"]
+        assert errors[f"hook {stage}"].startswith("NotImplementedError") and "grad_wire=" in errors[f"hook {stage}"]

@@ -1,7 +1,8 @@
 """A model built on the meta device, wrapped at stage 3 (and hsdp3): materialised unit by unit
 into the shards (minidist/parallel/meta_init.py), bitwise the values of initialising the whole
-model, at a peak of the shards plus one unit; what stages 1-2, DataParallel and FSDP2's own idiom
-get instead."""
+model (drawn slice by slice), at a peak of the shards plus one unit's buffer that nothing writes (so
+none of its pages is resident: scripts/measure_meta_wrap.py measures the resident set); what stages
+1-2, DataParallel and FSDP2's own idiom get instead."""
 
 import pytest
 
@@ -13,7 +14,8 @@ def test_a_meta_built_model_is_materialised_into_its_shards_as_a_whole_one_would
     for r in ranks(world).run(wrap_meta_built, mesh_shape):
         assert r["same"], "the weights differ from materialising the whole model with rank 0's seed"
         assert r["after_same"], "the generator is not where initialising the whole model leaves it"
-        # measured while wrapping: at most this rank's shards plus one unit (and 64 KiB of small tensors)
+        # live storages while wrapping: at most this rank's shards plus one unit's unwritten buffer (and 64 KiB
+        # of small tensors: the buffer random fills are drawn through)
         assert r["largest_unit"] <= r["peak"] <= r["shards"] + r["largest_unit"] + 64 * 1024, r
         assert r["peak"] < 0.75 * r["model"], r  # the whole model never was
 

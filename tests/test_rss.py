@@ -13,7 +13,7 @@ import pytest
 from train_cases import ROOT
 
 sys.path.insert(0, str(ROOT / "recipes"))  # the benchmark recipe holds the measurement
-from bench_memory import allocate_and_free, launch_fresh, measure_state_rss, within_target  # noqa: E402
+from bench_memory import allocate_and_free, gathers_kept, launch_fresh, measure_state_rss, within_target  # noqa: E402
 
 MLP_8M = [1024, 2048, 2048, 1024]
 
@@ -34,3 +34,17 @@ def test_every_zero_stage_within_the_formula(strategy):
         assert within_target(r), (f"rank {r['rank']}: RSS {r['rss_bytes'] / 2**20:.1f} MiB, formula "
                                   f"{r['formula_bytes'] / 2**20:.1f}, in flight {r['inflight_bytes'] / 2**20:.1f}")
         assert r["rss_bytes"] >= 0.9 * r["formula_bytes"]  # the state is really there: no vacuous bound
+
+
+@pytest.mark.slow(stand_in="test_zero.py::test_memory_matches_the_zero_paper")  # fresh processes
+def test_ranks_minidist_starts_give_freed_large_blocks_back(monkeypatch):
+    """glibc alone kept hundreds of MiB of 16 freed 32 MiB gathers (docs/trainer.md, "Memory"); the
+    ranks run_local starts keep none of them, and a threshold the user set is theirs."""
+    from minidist.train.app import MMAP_THRESHOLD_BYTES, run_local
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for kept, threshold in run_local(gathers_kept, nproc=2, args=(16, 32)).values():
+        assert threshold == str(MMAP_THRESHOLD_BYTES)
+        assert kept <= 8 * 2**20, kept / 2**20
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert {t for _, t in run_local(gathers_kept, nproc=2, args=(1, 1)).values()} == {"65536"}

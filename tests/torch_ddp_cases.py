@@ -312,3 +312,27 @@ def unused_and_ignored_outputs() -> dict:
     return {"same_none": [g is None for g in flat_native] == [g is None for g in flat_ours],
             "unused_none": ours[0][2] is None and ours[0][1] is not None,
             "equal": all(a is None or torch.equal(a, b) for a, b in zip(flat_native, flat_ours))}
+
+
+def sharded_refusals() -> dict[str, str]:
+    """What a DDP script's native calls get from ShardedDataParallel: torch.save(model) and
+    register_comm_hook are refused at once, naming the way (each stage)."""
+    import functools
+    import io
+
+    import torch
+    from torch import nn
+    import minidist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    out = {}
+    for stage in (1, 2, 3):
+        model = minidist.ShardedDataParallel(nn.Linear(4, 4), functools.partial(torch.optim.SGD, lr=0.1), stage=stage)
+        for what, call in (("save", lambda: torch.save(model, io.BytesIO())),
+                           ("hook", lambda: model.register_comm_hook(None, allreduce_hook))):
+            try:
+                call()
+                out[f"{what} {stage}"] = ""
+            except Exception as e:  # noqa: BLE001
+                out[f"{what} {stage}"] = f"{type(e).__name__}: {e}"
+    return out

@@ -499,6 +499,17 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
                            if not any(v is p for p in self._params)],
         })
 
+    def __getstate__(self):
+        raise TypeError("ShardedDataParallel cannot be pickled (torch.save(model), copy.deepcopy): its state lives "
+                        "in shards across ranks; save model.full_state_dict() (one plain state_dict) or "
+                        "model.sharded_state_dict() (one file per rank) instead")
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Native DDP's; refused: gradients are reduce_scattered, not all_reduced in DDP's buckets."""
+        raise NotImplementedError("ShardedDataParallel reduces gradients with reduce_scatter into shards, so a DDP "
+                                  "comm hook (an all_reduce of a bucket) has nothing to act on: compress its "
+                                  "traffic with grad_wire='bf16' / 'int8', or use DataParallel for comm hooks")
+
     def _parameter_tensors(self) -> list[torch.Tensor]:
         return [s.full for s in self._shards]
 

@@ -43,6 +43,12 @@ def under_launcher() -> bool:
 # otherwise kill this process and leave the ranks without a launcher.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
+# glibc serves a freed block's size from its heap from then on (up to 32 MiB) and keeps freed heap
+# memory resident, so a rank that once freed a 32 MiB tensor keeps its pages. Ranks started here
+# take blocks of this size and more straight from the system and give them back on free; a
+# MALLOC_MMAP_THRESHOLD_ already set is kept (docs/trainer.md, "Memory").
+MMAP_THRESHOLD_BYTES = 8 << 20
+
 
 def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
     """Run fn(*args) on `nproc` local ranks (torchrun's machinery, in-process); return rank -> result.
@@ -68,7 +74,14 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # A stop signal: the ranks' own line says what happened ("Received 15 death signal" would not).
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-    return elastic_launch(config, entrypoint=fn)(*args)
+    ours = "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    if ours:  # for the ranks only (they inherit it); this process keeps what it started with
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
+    try:
+        return elastic_launch(config, entrypoint=fn)(*args)
+    finally:
+        if ours:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
 
 
 class RanksFailed(RuntimeError):
