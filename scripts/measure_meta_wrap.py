@@ -5,9 +5,11 @@
 16 blocks of two Linear(2048, 2048) (513 MiB in fp32), built under torch.device("meta"), in fresh
 ranks. Ours: `ShardedDataParallel(net, AdamW, stage=3)` (each block a unit: materialised into this
 rank's shard, meta_init.py). FSDP2's: `fully_shard` on each block and the root, `to_empty`,
-`reset_parameters`, then its AdamW. A thread samples the rank's resident set (VmRSS, and its
-anonymous part RssAnon, /proc/self/status) every 0.5 ms from before the model is built: the peak
-while wrapping and what is kept after it, above what the process held before. Both allocators:
+`reset_parameters`, then its AdamW. A thread samples the rank's anonymous resident memory (RssAnon,
+/proc/self/status: heap and anonymous mappings, where tensors and Python's objects live) every
+0.5 ms from before the model is built: the peak while wrapping and what is kept after it, above
+what the process held before; and the file-backed part (RssFile: torch's libraries paged in as
+they first run, shared with every process that maps them) kept after it. Both allocators:
 glibc's default (ranks started by torchrun, as a user starts them) and the ranks minidist starts
 (launcher.nproc: MALLOC_MMAP_THRESHOLD_, minidist/train/app.py). 2 and 4 ranks, the two wrappers
 interleaved, each case ROUNDS times. scripts/make_benchmarks.py renders docs/benchmarks.md's section.
@@ -37,7 +39,7 @@ def status_bytes(field: str) -> int:
 
 
 class Sampler:
-    """The peak of VmRSS over a span, sampled every 0.5 ms by a thread."""
+    """The peak of RssAnon over a span, sampled every 0.5 ms by a thread."""
 
     def __init__(self):
         self.peak, self._stop = 0, False
@@ -46,13 +48,13 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop:
-            self.peak = max(self.peak, status_bytes("VmRSS"))
+            self.peak = max(self.peak, status_bytes("RssAnon"))
             time.sleep(0.0005)
 
     def stop(self) -> int:
         self._stop = True
         self._thread.join()
-        return max(self.peak, status_bytes("VmRSS"))
+        return max(self.peak, status_bytes("RssAnon"))
 
 
 def build():
@@ -102,7 +104,7 @@ def measure(kind: str) -> dict:
     torch.set_num_threads(1)
     minidist.init_distributed(backend="gloo", timeout_s=300)
     gc.collect()
-    before, anon_before = status_bytes("VmRSS"), status_bytes("RssAnon")
+    before, file_before = status_bytes("RssAnon"), status_bytes("RssFile")
     sampler = Sampler()
     model = wrap(kind, build())
     dist.barrier()
@@ -110,7 +112,7 @@ def measure(kind: str) -> dict:
     peak = sampler.stop() - before
     state = sum(s.master.numel() * s.master.element_size() for s in model._shards) if kind == "ours" else \
         sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    result = {"peak": peak, "kept": status_bytes("VmRSS") - before, "kept_anon": status_bytes("RssAnon") - anon_before,
+    result = {"peak": peak, "kept": status_bytes("RssAnon") - before, "kept_file": status_bytes("RssFile") - file_before,
               "state": state, "threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     minidist.shutdown()
     return result
@@ -143,7 +145,7 @@ def main() -> None:
                     ranks = run_case(kind, world, allocator)
                     key = f"{kind} {world} {allocator}"
                     cases.setdefault(key, []).append({f: max(r[f] for r in ranks) for f in ("peak", "kept",
-                                                                                            "kept_anon", "state")})
+                                                                                            "kept_file", "state")})
                     print(key, {f: f"{v / 2**20:.1f}" for f, v in cases[key][-1].items()}, flush=True)
     record(OUT, {"blocks": BLOCKS, "width": WIDTH, "rounds": ROUNDS, "worlds": list(WORLDS), "cases": cases},
            provenance("python scripts/measure_meta_wrap.py", torch.__version__))
