@@ -345,7 +345,8 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         optimizer.load_state_dict(state)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes on this rank, measured from live storages: parameters, gradients, comm buffers, optimizer."""
+        """Bytes on this rank from live storages (beyond them: docs/trainer.md, "Memory"): parameters, gradients,
+        comm buffers, optimizer."""
         return measure({
             "parameters": list(self.module.parameters()),
             "gradients": [p.grad for p in self._params if p.grad is not None],

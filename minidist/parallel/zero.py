@@ -487,7 +487,7 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         self._after_optimizer_step()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes on this rank, measured from live storages (a storage is counted once)."""
+        """Bytes on this rank from live storages, each counted once (beyond them: docs/trainer.md, "Memory")."""
         self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         return measure({
             "parameters": self._parameter_tensors(),
