@@ -153,7 +153,7 @@ class MetaInit:
                     self.init(m)
                 if mode.written >= {id(p) for p in params}:
                     return
-            except _Whole:
+            except Exception:  # noqa: BLE001 - _Whole, or a read of a meta value: the whole way raises what is real
                 pass
             self.generator.set_state(state)
         for p in params:
