@@ -4,7 +4,10 @@ model (drawn slice by slice), at a peak of the shards plus one unit's buffer tha
 none of its pages is resident: scripts/measure_meta_wrap.py measures the resident set); what stages
 1-2, DataParallel and FSDP2's own idiom get instead."""
 
+import itertools
+
 import pytest
+import torch
 
 from meta_cases import init_fn_and_refusals, wrap_meta_built
 
@@ -30,3 +33,26 @@ def test_init_fn_and_what_is_refused(ranks):
         assert "meta device" in out[wrapper] and "ShardedDataParallel(stage=3)" in out[wrapper], (wrapper, out)
     assert "leave init_fn out" in out["init_fn_built"], out
     assert "Use stage=3" in out["init_fn_stage2"], out
+
+
+@pytest.mark.parametrize("build", [lambda: torch.nn.Embedding(1001, 33), lambda: torch.nn.Linear(301, 129)],
+                         ids=["normal_", "uniform_"])
+def test_a_layer_initialised_slice_by_slice_gets_the_whole_draws(build):
+    """_SliceInit draws a random fill in chunks (33,033 elements: two chunks and a tail for normal_'s
+    blocks of 16); every rank's slice holds the whole initialisation's values, and the generator ends
+    where it would."""
+    from minidist.parallel.meta_init import _SliceInit
+
+    torch.manual_seed(5)
+    whole = build()
+    expected, after = torch.cat([p.detach().reshape(-1) for p in whole.parameters()]), torch.rand(3)
+    with torch.device("meta"):
+        net = build()
+    offsets = itertools.accumulate([p.numel() for p in net.parameters()], initial=0)
+    where = {id(p): at for p, at in zip(net.parameters(), offsets)}
+    for lo, hi in [(0, 7), (5000, 21000), (16370, expected.numel())]:
+        torch.manual_seed(5)
+        out = torch.full((hi - lo,), float("nan"))
+        with _SliceInit(where, out, lo, hi), torch.no_grad():
+            net.reset_parameters()
+        assert torch.equal(out, expected[lo:hi]) and torch.equal(torch.rand(3), after), (lo, hi)
