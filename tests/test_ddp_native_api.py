@@ -1,6 +1,6 @@
 """Native DDP's public behaviours PyTorch's own c10d tests check on CPU (test_c10d_gloo.py and the common
 tests it inherits; read, not copied), with DataParallel: register_comm_hook with torch's hooks and its
-rules, torch.save / torch.load of the wrapper, ignored outputs, locally and globally unused parameters,
+rules, torch.save / torch.load of the wrapper, a state_dict checkpoint, ignored outputs, locally and globally unused parameters,
 and the modules it refuses (no trainable parameter, sparse gradients). Cases: torch_ddp_cases.py. Bucket
 assignment: test_buckets.py::test_reach_closing_is_native_ddps_layout."""
 
@@ -33,6 +33,12 @@ def test_a_pickled_wrapper_trains_in_sync_as_natives(ranks, tmp_path, gradient_a
                                           gradient_as_bucket_view, str(tmp_path))):
         assert r["ranks_agree"], f"rank {rank}: the loaded wrapper trains out of sync"
         assert r["bitwise"], f"rank {rank}: the loaded wrapper's training differs from native DDP's"
+
+
+def test_a_state_dict_checkpoint_resumes_as_natives(ranks, tmp_path):
+    for rank, r in enumerate(ranks(2).run(torch_ddp_cases.state_dict_checkpoint_like_native, str(tmp_path))):
+        assert r["plain_loads"], f"rank {rank}: the wrapper's state_dict, prefix consumed, loads otherwise into a module"
+        assert r["resumed_as_unbroken"] and r["as_native"], f"rank {rank}: {r}"
 
 
 def test_construction_refuses_what_it_cannot_reduce(ranks):

@@ -336,3 +336,54 @@ def sharded_refusals() -> dict[str, str]:
             except Exception as e:  # noqa: BLE001
                 out[f"{what} {stage}"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def state_dict_checkpoint_like_native(directory: str) -> dict:
+    """test_c10d_gloo's save/load checkpoint: 3 steps, rank 0 saves the wrapper's state_dict ("module."
+    keys), every rank zeroes its parameters and loads it into the wrapper and, prefix consumed, into a
+    plain copy (which then holds the wrapper's values); 3 more steps. Ours ends as a run without the
+    checkpoint, and as native DDP does."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddp_cases
+    import minidist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    base = ddp_cases.build("mlp")
+
+    def train(model, steps):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+        ddp_cases.step_loop(model, None, step, "mlp", steps, 1, rank, n)
+
+    finals = {}
+    for wrap in (DDP, minidist.DataParallel):
+        model, plain, unbroken = wrap(ddp_cases.perturbed(base, rank)), ddp_cases.build("mlp"), wrap(
+            ddp_cases.perturbed(base, rank))
+        train(model, 3)
+        path = os.path.join(directory, f"{wrap.__name__}.pt")
+        if rank == 0:
+            torch.save(model.state_dict(), path)
+        dist.barrier()
+        state = torch.load(path, weights_only=True)
+        with torch.no_grad():
+            for p in [*model.parameters(), *plain.parameters()]:
+                p.zero_()
+        model.load_state_dict(state)
+        consume_prefix_in_state_dict_if_present(state, "module.")
+        plain.load_state_dict(state)
+        loaded_alike = all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.module.parameters()))
+        train(model, 3)
+        train(unbroken, 3)
+        train(unbroken, 3)  # (the same batches as the run that was saved and loaded between them)
+        finals[wrap.__name__] = [dict(model.module.named_parameters()), dict(unbroken.module.named_parameters()),
+                                 loaded_alike]
+    (native, _, _), (ours, ours_unbroken, loaded_alike) = finals.values()
+    return {"resumed_as_unbroken": all(torch.equal(ours[k], ours_unbroken[k]) for k in ours),
+            "as_native": all(torch.equal(ours[k], native[k]) for k in ours), "plain_loads": loaded_alike}
