@@ -40,8 +40,9 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
 MMAP_THRESHOLD = "65536"
 
 
-def rss_bytes() -> int:
-    """This process's anonymous resident memory now: RssAnon in /proc/self/status (Linux).
+def rss_bytes(part: str = "RssAnon") -> int:
+    """This process's anonymous resident memory now: RssAnon in /proc/self/status (Linux); or
+    another `part` of it (RssFile: the file-backed pages).
 
     That is the part of the resident set size holding heap and anonymous mappings, where
     tensors live; file-backed pages (the code of torch's libraries, paged in as new
@@ -49,9 +50,9 @@ def rss_bytes() -> int:
     strategy holds."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(part + ":"):
                 return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError("no RssAnon in /proc/self/status (needs Linux 4.5 or later)")
+    raise RuntimeError(f"no {part} in /proc/self/status (needs Linux 4.5 or later)")
 
 
 def formula_bytes(strategy: str, psi: int, n: int) -> int:

@@ -28,14 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts" / "lib"))
+sys.path.insert(0, str(ROOT / "recipes"))
+from bench_memory import rss_bytes  # noqa: E402
 
 BLOCKS, WIDTH, ROUNDS, WORLDS = 16, 2048, 2, (2, 4)
 OUT = ROOT / "docs" / "benchmarks" / "data" / "meta_wrap.json"
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 class Sampler:
@@ -48,13 +45,13 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop:
-            self.peak = max(self.peak, status_bytes("RssAnon"))
+            self.peak = max(self.peak, rss_bytes())
             time.sleep(0.0005)
 
     def stop(self) -> int:
         self._stop = True
         self._thread.join()
-        return max(self.peak, status_bytes("RssAnon"))
+        return max(self.peak, rss_bytes())
 
 
 def build():
@@ -104,7 +101,7 @@ def measure(kind: str) -> dict:
     torch.set_num_threads(1)
     minidist.init_distributed(backend="gloo", timeout_s=300)
     gc.collect()
-    before, file_before = status_bytes("RssAnon"), status_bytes("RssFile")
+    before, file_before = rss_bytes(), rss_bytes("RssFile")
     sampler = Sampler()
     model = wrap(kind, build())
     dist.barrier()
@@ -112,7 +109,7 @@ def measure(kind: str) -> dict:
     peak = sampler.stop() - before
     state = sum(s.master.numel() * s.master.element_size() for s in model._shards) if kind == "ours" else \
         sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    result = {"peak": peak, "kept": status_bytes("RssAnon") - before, "kept_file": status_bytes("RssFile") - file_before,
+    result = {"peak": peak, "kept": rss_bytes() - before, "kept_file": rss_bytes("RssFile") - file_before,
               "state": state, "threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     minidist.shutdown()
     return result

@@ -114,6 +114,15 @@ def run_suite(names: list[str], temp_dir: str) -> dict[str, str]:
 
 # ------------------------------------------------- what PyTorch's c10d DDP tests check (written here)
 
+def error(fn) -> str:
+    """What calling fn raised, as "Type: message" ('' where nothing)."""
+    try:
+        fn()
+        return ""
+    except Exception as e:  # noqa: BLE001 - the message is what is compared
+        return f"{type(e).__name__}: {e}"
+
+
 def _pair(model: str = "gpt"):
     """The same model twice, wrapped by native DDP and by DataParallel (ranks > 0 perturbed first)."""
     import ddp_cases
@@ -167,13 +176,6 @@ def comm_hook_rules() -> dict[str, str]:
     import torch.distributed as dist
     import minidist
     from torch import nn
-
-    def error(fn) -> str:
-        try:
-            fn()
-            return ""
-        except Exception as e:  # noqa: BLE001 - the message is what is compared
-            return f"{type(e).__name__}: {e}"
 
     def fresh(**kwargs):
         torch.manual_seed(0)
@@ -254,13 +256,6 @@ def construction_errors() -> dict[str, str]:
     from torch import nn
     import minidist
 
-    def error(fn) -> str:
-        try:
-            fn()
-            return ""
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-
     import io
     frozen = nn.Linear(2, 2).requires_grad_(False)
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -328,13 +323,8 @@ def sharded_refusals() -> dict[str, str]:
     out = {}
     for stage in (1, 2, 3):
         model = minidist.ShardedDataParallel(nn.Linear(4, 4), functools.partial(torch.optim.SGD, lr=0.1), stage=stage)
-        for what, call in (("save", lambda: torch.save(model, io.BytesIO())),
-                           ("hook", lambda: model.register_comm_hook(None, allreduce_hook))):
-            try:
-                call()
-                out[f"{what} {stage}"] = ""
-            except Exception as e:  # noqa: BLE001
-                out[f"{what} {stage}"] = f"{type(e).__name__}: {e}"
+        out[f"save {stage}"] = error(lambda: torch.save(model, io.BytesIO()))
+        out[f"hook {stage}"] = error(lambda: model.register_comm_hook(None, allreduce_hook))
     return out
 
 
