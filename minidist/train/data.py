@@ -373,6 +373,16 @@ class ShardedBatchSampler:
                 yield mine[start:start + self.micro_batch_size]
             self.epoch, self.taken = self.epoch + 1, 0
 
+    @property
+    def batches_taken(self) -> int:
+        """Global batches taken so far, epoch after epoch: the stream's position in whole steps."""
+        return self.epoch * (self.batches_per_epoch // self.grad_accum) + self.taken // self.grad_accum
+
+    def seek(self, batches: int) -> None:
+        """Stand before global batch number `batches` of the stream (live recovery numbers them)."""
+        epoch, k = divmod(batches, self.batches_per_epoch // self.grad_accum)
+        self.epoch, self.taken = epoch, k * self.grad_accum
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "consumed": self.taken * self.window, "num_samples": self.num_samples,
                 "global_batch": self.global_batch, "seed": self.seed,

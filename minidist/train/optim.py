@@ -152,7 +152,8 @@ def accumulate_and_step(strategy, micro_batches: Iterable[tuple[torch.Tensor, to
                         before_optimizer: Callable[[], object] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one optimizer step over `micro_batches` (a list of (x, y) already on the device).
     `before_optimizer()`, when given, runs once the gradients are complete, just before the
-    optimizer step (what the comparison measures the model state at).
+    optimizer step (what the comparison measures the model state at); if it returns False the
+    step is discarded: no update, the gradients zeroed, and the norm returned is None.
 
     Returns (the summed loss over micro-batches, each divided by their number, detached;
     the global gradient norm before clipping)."""
@@ -167,8 +168,9 @@ def accumulate_and_step(strategy, micro_batches: Iterable[tuple[torch.Tensor, to
             with record_function("minidist.backward"):
                 strategy.backward(scaler.scale(loss))
         loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-    if before_optimizer is not None:
-        before_optimizer()
+    if before_optimizer is not None and before_optimizer() is False:  # live recovery's vote: discarded
+        strategy.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, None
     with record_function("minidist.optimizer"):
         norm = strategy.optimizer_step(max_norm, scaler)
     return loss_sum, norm

@@ -135,6 +135,8 @@ class TrainingState:
         Returns (the mean micro-batch loss, detached; the gradient norm before clipping)."""
         loss, norm = accumulate_and_step(self.strategy, micro_batches, loss_fn or self.loss, self.max_norm,
                                          self.scaler, self.autocast, before_optimizer)
+        if norm is None:  # discarded (accumulate_and_step): nor does the schedule move
+            return loss, norm
         with warnings.catch_warnings():  # a first step skipped (a non-finite norm) is no misordered call
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()
