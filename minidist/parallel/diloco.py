@@ -13,6 +13,7 @@ Groups and slices: docs/internals.md, "parallel/diloco.py".
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -161,6 +162,7 @@ class Fragment:
     phase: int                                # its outer update comes at the steps t with t % H == phase
     delta: torch.Tensor | None = None         # the pseudo-gradient being averaged
     handle: object = None
+    kept: bool = True                         # False: the groups' vote discarded the round's average
     apply_at: int | None = None
     synced_at: int = 0                        # the last step its outer update was applied
     taken_at: int = 0                         # the step of the weights its last pseudo-gradient was taken from
@@ -204,6 +206,9 @@ class DiLoCo:
         self.sharded_by, self.across_group = sharded_by, across_group
         self.workers = group_size(across_group) if across_group is not None else 1
         self.total_steps = total_steps
+        # Live recovery (ft=torchft) sets it: across(delta) averages a pseudo-gradient across the replica
+        # groups in place and returns the vote (False: every group discards it); the workers are groups.
+        self.across: Callable[[torch.Tensor], bool] | None = None
         self.step = 0  # inner steps taken
         self._written = False  # master shards written since the wrapper last gathered them
         self.fragments: list[Fragment] = []
@@ -252,6 +257,9 @@ class DiLoCo:
     def _launch(self, f: Fragment, apply_at: int) -> None:
         f.delta = f.start.detach() - f.place.local()  # the round's pseudo-gradient, this rank's slice
         f.apply_at, f.taken_at = apply_at, self.step
+        if self.across is not None:
+            f.kept, f.handle = self.across(f.delta), _Done()
+            return
         # (An empty slice, a ZeRO rank owning none of the fragment, is empty at that place in every
         # worker: nothing to exchange.)
         f.handle = comm.all_reduce(f.delta, group=self.across_group, async_op=True, wire_dtype=self.wire) \
@@ -259,6 +267,9 @@ class DiLoCo:
 
     def _apply(self, f: Fragment, mixing: float) -> None:
         f.handle.wait()
+        if not f.kept:  # discarded: no outer step; the round's progress rides on into the next
+            f.delta, f.handle, f.apply_at, f.kept = None, None, None, True
+            return
         f.start.grad = f.delta.div_(self.workers)
         f.outer.step()
         f.start.grad, f.delta, f.handle, f.apply_at = None, None, None, None
@@ -320,6 +331,32 @@ class DiLoCo:
                 f.start.copy_(f.place.local())
             f.outer.state.clear()
             f.delta, f.handle, f.apply_at, f.synced_at, f.taken_at = None, None, None, step, step
+
+    def sync_now(self) -> None:
+        """The outer updates due at this step, now (a relaunched replica group, healed at the step
+        its peers sync at, takes part in their sync)."""
+        for f in self.fragments:
+            if self.step % self.sync_every == f.phase:
+                self._launch(f, self.step)
+                self._apply(f, self.mixing)
+        self._refresh()
+
+    def local_state(self) -> dict:
+        """This rank's slices of the outer state, no collective (what the same rank of another
+        replica group heals from; torchft asks from a thread of its own)."""
+        return {"step": self.step, "fragments": [
+            {"start": f.start.detach().clone(), "synced_at": f.synced_at, "taken_at": f.taken_at,
+             "momentum": f.outer.state.get(f.start, {}).get("momentum_buffer")} for f in self.fragments]}
+
+    def load_local_state(self, state: dict) -> None:
+        self.step = int(state["step"])
+        for f, saved in zip(self.fragments, state["fragments"]):
+            with torch.no_grad():
+                f.start.copy_(saved["start"])
+            f.outer.state.clear()
+            if saved["momentum"] is not None:
+                f.outer.state[f.start] = {"momentum_buffer": saved["momentum"].clone()}
+            f.synced_at, f.taken_at = int(saved["synced_at"]), int(saved["taken_at"])
 
     def memory_tensors(self) -> list[torch.Tensor]:
         """What the outer loop adds on this rank: the outer weights' slices, their momentum and the

@@ -289,6 +289,10 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
     try:
         world = world_size_for(cfg)
         ckpt = validate(cfg, world, run_dir)
+        if cfg.get("ft") is not None and not under_launcher():  # ft=torchft: a lighthouse and the groups
+            from minidist.train.ft_launch import launch_groups
+            from minidist.train.live_recovery import check_ft
+            check_ft(cfg, world)
         line, to_train = resume_notice(cfg, ckpt, typed_keys(command_line_overrides())) if ckpt else (None, True)
     except ConfigError as e:
         if rank == 0:
@@ -298,6 +302,13 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
         print(line, flush=True)
     if not to_train:
         return 0
+    if cfg.get("ft") is not None and not under_launcher():
+        try:
+            with run_directory_lock(run_dir, ()):
+                return launch_groups(cfg, run_dir, command_line_overrides(), world)
+        except (RunDirectoryInUse, RunDirectoryUnwritable) as e:
+            error(e)
+            return 2
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
     try:

@@ -284,7 +284,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
     if str(cfg.get("debug", {}).get("kill_during", "step")) not in ("step", "save"):
         raise ConfigError(f"debug.kill_during={cfg.debug.kill_during!r} must be step (after the optimizer step) or "
                           "save (while writing that step's checkpoint)")
-    bad = [r for r, _ in kills if not 0 <= r < world_size]
+    ft = cfg.get("ft")
+    in_group = ft is not None and ft.get("group") is not None  # a replica group: its launcher checked the ranks
+    bad = [r for r, _ in kills if not 0 <= r < world_size and not in_group]
     if bad:
         raise ConfigError(f"debug.kill_rank={bad[0]} is not a rank of this {world_size}-rank run: give 0..{world_size - 1}")
     if str(t.nonfinite) not in ("skip", "stop"):
@@ -333,7 +335,9 @@ def validate(cfg, world_size: int, run_dir: Path) -> Path | None:
                           "so there would be no validation loss: raise data.val_fraction, or set "
                           "trainer.eval_batches=0 to train without validation")
     n = data.train_size(block)
-    ckpt = resolve_resume(cfg, run_dir)  # verified once, there (hashing a large checkpoint twice costs)
+    # verified once, there (hashing a large checkpoint twice costs); a relaunched replica group opens
+    # none: it heals from a live group (live_recovery.py)
+    ckpt = None if in_group and ft.get("relaunched") else resolve_resume(cfg, run_dir)
     if ckpt is not None:
         check_run_fits(cfg, ckpt, world_size)
     accum = grad_accum_on_resume(cfg, read_meta(ckpt), world_size)[0] if ckpt is not None else \

@@ -166,6 +166,11 @@ class Trainer:
         # A host that vanishes makes the others leave within launcher.peer_timeout_s (resilience.py)
         self.peer_watch = PeerWatch.start(ctx, float(cfg.launcher.get("peer_timeout_s", 0)), step=lambda: self.step,
                                           run_dir=self.run_dir)
+        self.live = None  # ft=torchft: this rank's replica group and the others (live_recovery.py)
+        if cfg.get("ft") is not None:
+            from minidist.train.live_recovery import LiveRecovery
+            self.live = LiveRecovery(cfg, self)
+        self.fault_rank = ctx.rank if self.live is None else self.live.global_rank  # what debug.*_rank names
         self.samples_log = None
         if t.get("log_samples"):  # appended to: a resumed run continues the same files
             (self.run_dir / "samples").mkdir(parents=True, exist_ok=True)
@@ -177,23 +182,27 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def train_step(self, batches) -> StepRecord:
-        """One optimizer step over grad_accum micro-batches; returns this rank's measurements.
+    def train_step(self, batches) -> StepRecord | None:
+        """One optimizer step over grad_accum micro-batches; returns this rank's measurements
+        (None: live recovery discarded the step).
 
         Nothing in it waits for the device: the step and the communication are timed on the
         device's clock (minidist.measure: CUDA events on CUDA), and the loss, the gradient norm and
         the times stay unread until a log step (`_reduce_metrics`) or a check (`_check_progress`)."""
         span = Span(self.ctx.device).start()
-        self.faults.maybe_stall(self.ctx.rank, self.step + 1)
+        self.faults.maybe_stall(self.fault_rank, self.step + 1)
         with comm.CommTracer() as tracer, self._collectives_named(tracer.records):
             t0 = time.perf_counter()
             micro_batches = self.data.micro_batches(batches, self.grad_accum, self.ctx.device)
             data_s = time.perf_counter() - t0
             loss_fn = self.state.loss
-            if self.faults.nan_loss(self.ctx.rank, self.step + 1):
+            if self.faults.nan_loss(self.fault_rank, self.step + 1):
                 loss_fn = lambda out, y: self.state.loss(out, y) * float("nan")  # noqa: E731
-            loss_sum, grad_norm = self.state.step(micro_batches, loss_fn)
+            loss_sum, grad_norm = self.state.step(micro_batches, loss_fn,
+                                                  self.live.before_optimizer if self.live is not None else None)
             span.stop()
+        if grad_norm is None:  # discarded by live recovery's vote: the step did not happen
+            return None
         if self.samples_log is not None:  # trainer.log_samples: the step, then the ids this rank consumed
             self.samples_log.write(f"{self.step + 1} {' '.join(map(str, self.data.last_ids))}\n")
         traced = self.strategy.traces_comm
@@ -264,7 +273,7 @@ class Trainer:
                 "data": self.sampler.state_dict(),
                 "shards": self.strategy.checkpoint_shards}  # files of a sharded one
         step = self.step
-        kill = lambda: self.faults.maybe_kill(self.run_dir, self.ctx.rank, step, during="save")  # noqa: E731
+        kill = lambda: self.faults.maybe_kill(self.run_dir, self.fault_rank, step, during="save")  # noqa: E731
         if self.checkpoints is not None:
             path = self.checkpoints.save(step, meta, before_commit=kill)
             self.log.info(f"step {step}: checkpoint {path} (written in the background)")
@@ -347,15 +356,19 @@ class Trainer:
         while self.step < end:
             if self.stop is not None and (signum := self._stop_agreed()):
                 return self._stopped(signum)
+            if self.live is not None:  # this step's quorum (and heal) first; its batches follow from it
+                batches = self.live.begin_step()
             if t.timeline_step is not None and self.step + 1 == int(t.timeline_step):
                 m = self.traced_step(batches)
             else:
                 m = self.train_step(batches)
+            if m is None:
+                continue
             self.step += 1
             self.host_traffic.after_step(self.step, start, end, settle=lambda: settle(self.model))
             if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m.cross_host)
-            self.faults.maybe_kill(self.run_dir, self.ctx.rank, self.step)
+            self.faults.maybe_kill(self.run_dir, self.fault_rank, self.step)
             if self.checkpoints is not None:  # a write every rank has finished: committed now
                 with self._collectives_named([], self.step):
                     self._committed(self.checkpoints.poll())
@@ -376,7 +389,8 @@ class Trainer:
                     unchecked = []
                     self._prune()  # every checkpoint there is now followed by steps that checked out
                     if log_now:
-                        self.log.scalars(self.step, self._reduce_metrics(history))
+                        self.log.scalars(self.step, {**self._reduce_metrics(history),
+                                                     **(self.live.scalars() if self.live is not None else {})})
                         history = []
             self.log.advance(self.step)
             if eval_now:
@@ -592,6 +606,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "live", None) is not None:
+            self.live.close()
         if getattr(self, "peer_watch", None) is not None:
             self.peer_watch.stop()
         if getattr(self, "samples_log", None) is not None:

@@ -1,0 +1,142 @@
+"""ft=torchft's local launcher: a lighthouse, then each replica group's ranks, each group in
+<run dir>/group_<g> (its logs, TensorBoard, checkpoints, participation log). A group's ranks are
+started as torchrun starts them (its variables; the group's rank 0 hosts its TCPStore) but without
+torchrun's agent, whose own import of torch would add ~3 s to each relaunch. A group one of whose
+ranks dies is stopped whole and started again while another lives (`ft.relaunched=true`: it reads
+no checkpoint, it heals from a live group); one that started again after the others finished has
+nothing to heal from and is stopped. Several machines or SLURM: one torchrun per group
+(docs/multinode.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from minidist.dist import free_port
+from minidist.train.live_recovery import LAUNCHED_AT, healed_since, summarize
+from minidist.train.resilience import read_records
+from minidist.train.run_files import append_file
+
+# Overrides the launcher sets for each group itself (the user's are dropped).
+SET_HERE = ("hydra.run.dir", "launcher.nproc", "ft.group", "ft.groups", "ft.lighthouse", "ft.relaunched", "trainer.progress")
+
+
+def group_command(overrides: list[str], run_dir: Path, g: int, groups: int, size: int, lighthouse: str,
+                  relaunched: bool) -> list[str]:
+    """One rank's command line in group `g` (the user's overrides, less those set here)."""
+    mine = [o for o in overrides if o.lstrip("+~").split("=")[0] not in SET_HERE]
+    return [sys.executable, "-m", "minidist.train", *mine, f"hydra.run.dir={run_dir / f'group_{g}'}",
+            f"launcher.nproc={size}", f"ft.group={g}", f"ft.groups={groups}", f"ft.lighthouse={lighthouse}",
+            f"ft.relaunched={str(relaunched).lower()}", f"trainer.progress={str(g == 0).lower()}"]
+
+
+class Group:
+    """One replica group's rank processes."""
+
+    def __init__(self, cmd: list[str], size: int, env: dict, log: Path, console: bool):
+        self.started = time.time()
+        port = free_port()
+        with append_file(log) as out:
+            self.ranks = [subprocess.Popen(cmd, env={**env, LAUNCHED_AT: repr(self.started), "RANK": str(r),
+                                                     "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
+                                                     "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                                                     "MASTER_PORT": str(port)},
+                                           stdout=None if console and r == 0 else out,
+                                           stderr=None if console and r == 0 else out, start_new_session=True)
+                          for r in range(size)]
+
+    def poll(self) -> int | None:
+        """None while running; 0 when every rank finished; else the first failure's status, the
+        others stopped (as torchrun stops a group)."""
+        codes = [p.poll() for p in self.ranks]
+        bad = [c for c in codes if c not in (None, 0)]
+        if bad:
+            self.signal(signal.SIGKILL)
+            return bad[0] if bad[0] > 0 else 128 - bad[0]
+        return None if None in codes else 0
+
+    def signal(self, signum: int) -> None:
+        for p in self.ranks:
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
+    def wait(self) -> None:
+        for p in self.ranks:
+            p.wait()
+
+
+def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
+    """Run the replica groups to the end; the exit status (0: some group finished the run)."""
+    from torchft._torchft import LighthouseServer
+
+    size = int(cfg.ft.group_size or world)
+    groups = world // size
+    lighthouse, address = None, cfg.ft.lighthouse
+    if address is None:
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=int(cfg.ft.min_replicas),
+                                      join_timeout_ms=int(1000 * float(cfg.ft.timeout_s)),
+                                      heartbeat_timeout_ms=int(cfg.ft.heartbeat_ms))
+        address = lighthouse.address()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+    def start(g: int, relaunched: bool) -> Group:  # group 0's rank 0 on the console (its progress bar)
+        return Group(group_command(overrides, run_dir, g, groups, size, address, relaunched), size, env,
+                     run_dir / "logs" / f"group_{g}.log", console=g == 0)
+
+    def ended(g: int, code: int) -> str:
+        why = "; ".join(r["line"] for r in read_records(run_dir / f"group_{g}", running[g].started).values())
+        return f"live recovery: replica group {g} ended (exit status {code}{': ' + why if why else ''})"
+
+    stop: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    running = {g: start(g, False) for g in range(groups)}
+    finished, failed, relaunched, relaunches = [], {}, set(), 0
+    try:
+        while running:
+            if stop:  # pass the stop on; each group checkpoints the step it reached
+                for group in running.values():
+                    group.signal(stop[0])
+                for group in running.values():
+                    group.wait()
+                return 128 + stop[0]
+            time.sleep(0.1)
+            for g, group in list(running.items()):
+                if (code := group.poll()) is None:
+                    continue
+                heals = lambda o: o not in relaunched or healed_since(run_dir / f"group_{o}", running[o].started)  # noqa: E731
+                live = [o for o in running if o != g and heals(o)]  # groups one could heal from
+                if code == 0:
+                    finished.append(g)
+                elif cfg.ft.relaunch and live and not finished and heals(g):
+                    print(f"{ended(g, code)}; the others go on, and it starts again to heal from them (its "
+                          f"log: {run_dir / f'group_{g}' / 'logs'})", file=sys.stderr, flush=True)
+                    running[g] = start(g, True)
+                    relaunched.add(g)
+                    relaunches += 1
+                    continue
+                else:  # (a relaunched group that died before it healed is not started a third time)
+                    print(ended(g, code), file=sys.stderr, flush=True)
+                    failed[g] = code
+                del running[g]
+                if finished or not live:  # a relaunched group that has not healed yet has nothing to heal from
+                    for other in [o for o in running if not heals(o)]:
+                        print(f"live recovery: replica group {other} started again, but no group is left to heal "
+                              "from (the others have finished or failed); it is stopped", file=sys.stderr, flush=True)
+                        running[other].signal(signal.SIGTERM)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+    seen = summarize(run_dir)
+    heal = f", heal {seen['heal_s_median']:.1f} s median" if seen["heal_s_median"] is not None else ""
+    print(f"live recovery: {groups} groups x {size} ranks; failures survived {relaunches}, steps discarded "
+          f"{seen['steps_discarded']}{heal}" + (f"; groups {sorted(failed)} failed" if failed else ""),
+          file=sys.stderr, flush=True)
+    return 0 if finished else 1
