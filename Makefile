@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+FT_STAMP := $(VENV)/.installed-ft
 # make train: one rank per GPU where there are GPUs, else 2 on CPU (launcher.nproc=auto); NPROC=N overrides.
 NPROC ?=
 # The versions the suite and the documents were measured with; CONSTRAINTS= installs without pins.
@@ -24,12 +25,17 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 train: setup
 	OMP_NUM_THREADS=1 $(PY) recipes/train.py $(if $(NPROC),launcher.nproc=$(NPROC)) $(ARGS)
 
+# The ft extra (torchft, for ft=torchft): make test-all's live-recovery tests need it; train and test never do.
+$(FT_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,ft]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	touch $(FT_STAMP)
+
 # The fast suite, run often: everything but the tests marked slow.
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
 
 # Everything: the slow end-to-end tests, emulated hosts (root), the soak. What CI runs.
-test-all: setup
+test-all: setup $(FT_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 tour: setup
