@@ -289,10 +289,9 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
     try:
         world = world_size_for(cfg)
         ckpt = validate(cfg, world, run_dir)
-        if cfg.get("ft") is not None and not under_launcher():  # ft=torchft: a lighthouse and the groups
-            from minidist.train.ft_launch import launch_groups
+        if cfg.get("ft") is not None:  # ft=torchft: here a lighthouse and the groups; under torchrun, one group
             from minidist.train.live_recovery import check_ft
-            check_ft(cfg, world)
+            check_ft(cfg, world, one_group=under_launcher())
         line, to_train = resume_notice(cfg, ckpt, typed_keys(command_line_overrides())) if ckpt else (None, True)
     except ConfigError as e:
         if rank == 0:
@@ -303,6 +302,7 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
     if not to_train:
         return 0
     if cfg.get("ft") is not None and not under_launcher():
+        from minidist.train.ft_launch import launch_groups
         try:
             with run_directory_lock(run_dir, ()):
                 return launch_groups(cfg, run_dir, command_line_overrides(), world)

@@ -22,7 +22,8 @@ from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
 
 # Overrides the launcher sets for each group itself (the user's are dropped).
-SET_HERE = ("hydra.run.dir", "launcher.nproc", "ft.group", "ft.groups", "ft.lighthouse", "ft.relaunched", "trainer.progress")
+SET_HERE = ("hydra.run.dir", "launcher.nproc", "ft.group", "ft.groups", "ft.lighthouse", "ft.relaunched",
+            "trainer.progress")
 
 
 def group_command(overrides: list[str], run_dir: Path, g: int, groups: int, size: int, lighthouse: str,
@@ -78,7 +79,7 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
     lighthouse, address = None, cfg.ft.lighthouse
     if address is None:
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=int(cfg.ft.min_replicas),
-                                      join_timeout_ms=int(1000 * float(cfg.ft.timeout_s)),
+                                      join_timeout_ms=int(500 * float(cfg.ft.timeout_s)),
                                       heartbeat_timeout_ms=int(cfg.ft.heartbeat_ms))
         address = lighthouse.address()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -99,13 +100,13 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
     finished, failed, relaunched, relaunches = [], {}, set(), 0
     try:
         while running:
-            if stop:  # pass the stop on; each group checkpoints the step it reached
-                for group in running.values():
+            time.sleep(0.1)
+            if stop:  # pass the stop on (before a rank's stop status is taken for a failure): each group
+                for group in running.values():  # checkpoints the step it reached
                     group.signal(stop[0])
                 for group in running.values():
                     group.wait()
                 return 128 + stop[0]
-            time.sleep(0.1)
             for g, group in list(running.items()):
                 if (code := group.poll()) is None:
                     continue

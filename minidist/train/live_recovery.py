@@ -1,10 +1,10 @@
 """Live recovery (ft=torchft): replica groups that keep stepping when one dies, and a relaunched
 group that heals from a live peer instead of reading a checkpoint.
 
-A replica group is one torchrun of `ft.group_size` ranks running any of our strategies inside
-(its process group is the whole world the strategy sees). Across the groups, one object carries
-the rest: torchft's Manager (its Lighthouse's quorum, the commit vote, peer healing over HTTP).
-Each step of each rank:
+A replica group is one launch of `ft.group_size` ranks (ft_launch.py's, or a torchrun per group)
+running any flat strategy of ours inside: its process group is the whole world the strategy
+sees. Across the groups, one object carries the rest: torchft's Manager (its Lighthouse's quorum,
+the commit vote, peer healing over HTTP). Each step of each rank:
 
     batches = live.begin_step()      # quorum; a group behind loads a live peer's state here
     ... forward / backward: the gradient reduced within the group as always ...
@@ -46,8 +46,10 @@ def require_torchft() -> None:
                           "(the ft extra, torchft 0.2.0)") from None
 
 
-def check_ft(cfg, world_size: int) -> None:
-    """The launcher's checks of an ft= config, before any group starts (one line each)."""
+def check_ft(cfg, world_size: int, one_group: bool = False) -> None:
+    """An ft= config's checks before anything starts (one line each). `one_group`: this launch
+    (torchrun's, SLURM's) is one replica group, so it must say which, of how many, and where the
+    lighthouse is; otherwise the local launcher splits launcher.nproc into groups."""
     require_torchft()
     from minidist.train.strategies import names, spec
 
@@ -60,41 +62,43 @@ def check_ft(cfg, world_size: int) -> None:
     if not fits(spec(str(cfg.strategy.name))):
         raise ConfigError(f"ft=torchft runs {', '.join(n for n in names() if fits(spec(n)))} inside each replica "
                           f"group, not strategy={cfg.strategy.name}")
+    if one_group:
+        if any(cfg.ft.get(k) is None for k in ("group", "groups", "lighthouse")):
+            raise ConfigError("ft=torchft under torchrun or SLURM: each launch is one replica group; give ft.group, "
+                              "ft.groups and ft.lighthouse (scripts/ft_group.sh sets them; docs/multinode.md)")
+        return
     size = int(cfg.ft.group_size or world_size)
     if size < 1 or world_size % size:
         raise ConfigError(f"ft.group_size={cfg.ft.group_size} must divide the {world_size} ranks into equal "
                           "replica groups (launcher.nproc a multiple of ft.group_size)")
 
 
+def log_rows(run_dir: Path) -> list[dict]:
+    """The participation log of one group's directory, or of every group under a run's."""
+    run_dir = Path(run_dir)
+    paths = [run_dir / LOG] if (run_dir / LOG).is_file() else sorted(run_dir.glob(f"group_*/{LOG}"))
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
 def read_participation(run_dir: Path) -> dict[int, dict[int, tuple[int, int]]]:
     """A run's participation logs: committed step -> {group: (its place, participants)}."""
     steps: dict[int, dict[int, tuple[int, int]]] = {}
-    for path in sorted(Path(run_dir).glob(f"group_*/{LOG}")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row["kind"] == "commit":
-                steps.setdefault(row["step"], {})[row["group"]] = (row["place"], row["participants"])
+    for row in (r for r in log_rows(run_dir) if r["kind"] == "commit"):
+        steps.setdefault(row["step"], {})[row["group"]] = (row["place"], row["participants"])
     return steps
 
 
 def summarize(run_dir: Path) -> dict:
     """What the groups' logs say: steps discarded (each counted once), heals and their times."""
-    discarded, heals = set(), []
-    for path in sorted(Path(run_dir).glob(f"group_*/{LOG}")):
-        for row in map(json.loads, path.read_text().splitlines()):
-            if row["kind"] == "discard":
-                discarded.add((row["step"], row["quorum"]))
-            elif row["kind"] == "heal":
-                heals.append(row["heal_s"])
-    return {"steps_discarded": len({s for s, _ in discarded}), "heals": len(heals),
+    rows = log_rows(run_dir)
+    heals = [r["heal_s"] for r in rows if r["kind"] == "heal"]
+    return {"steps_discarded": len({r["step"] for r in rows if r["kind"] == "discard"}), "heals": len(heals),
             "heal_s_median": statistics.median(heals) if heals else None}
 
 
 def healed_since(group_dir: Path, since: float) -> bool:
     """Has this group healed from a peer since `since` (a relaunch's time)?"""
-    log = Path(group_dir) / LOG
-    rows = map(json.loads, log.read_text().splitlines()) if log.is_file() else ()
-    return any(r["kind"] == "heal" and r["time"] >= since for r in rows)
+    return any(r["kind"] == "heal" and r["time"] >= since for r in log_rows(group_dir))
 
 
 def _weights_only_transport(timeout: timedelta):
@@ -127,7 +131,10 @@ class LiveRecovery:
         self.trainer, self.group = trainer, int(ft.group)
         self.global_rank = self.group * ctx.world_size + ctx.rank  # what debug.kill_rank names
         self.replay = read_participation(Path(ft.replay)) if ft.get("replay") else None
-        timeout = timedelta(seconds=float(ft.timeout_s))
+        # Half of ft.timeout_s for the reduce (and the vote, a heal's transfer); the lighthouse waits the
+        # other half for a group that has not come to the next quorum (ft_launch.py): a group that stops
+        # answering is dropped within ft.timeout_s.
+        timeout = timedelta(seconds=float(ft.timeout_s) / 2)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load, state_dict=self._state,
             min_replica_size=int(ft.min_replicas), use_async_quorum=False,  # a healed group joins its first step
@@ -169,8 +176,11 @@ class LiveRecovery:
             return iter(sampler)
         self._quorum()
         self.place = self.manager.participating_rank()
-        if self.replay is not None:
-            self.place = self._replayed(self.trainer.step + 1)
+        if self.replay is not None:  # this group's place in the logged step (None: it sat that one out)
+            if (step := self.trainer.step + 1) not in self.replay:
+                raise RuntimeError(f"ft.replay: the log has no committed step {step}: it ends at step "
+                                   f"{max(self.replay, default=0)}; replay with trainer.max_steps at most that")
+            self.place = self.replay[step].get(self.group, (None,))[0]
         self.taken = sampler.batches_taken
         sampler.seek(self.taken + (self.place or 0))
         return iter(sampler)
@@ -212,8 +222,8 @@ class LiveRecovery:
         self.quorum = self.manager._quorum_id
 
     def _waiting(self) -> bool:
-        if self.relaunched:
-            return self.trainer.step == 0  # (a heal, in start_quorum, has set it)
+        if self.relaunched:  # alone, nothing to heal from yet; with others, healed (or all are at step 0)
+            return self.manager.num_participants() < 2
         return self.gathering and self.manager.num_participants() < self.groups
 
     def average_across(self, tensors: list[torch.Tensor], contributing: bool) -> bool:
@@ -253,13 +263,6 @@ class LiveRecovery:
             self._write("discard")
         return committed
 
-    def _replayed(self, step: int) -> int | None:
-        """This group's place in the logged step (None: it did not contribute to it)."""
-        if step not in self.replay:
-            raise RuntimeError(f"ft.replay: the log has no committed step {step}: it ends at step "
-                               f"{max(self.replay, default=0)}; replay with trainer.max_steps at most that")
-        return self.replay[step].get(self.group, (None,))[0]
-
     def _write(self, kind: str, **fields) -> None:
         if self.log is not None:
             step = self.trainer.step + (kind != "heal")
@@ -271,9 +274,8 @@ class LiveRecovery:
     def _state(self) -> dict:
         """This rank's whole training state, local (no collective: torchft calls it from its
         quorum thread): tensors and plain values only, so the receiver loads it weights_only."""
-        t = self.trainer
-        s = t.strategy
-        held = ({"sharded": s.model.sharded_state_dict()} if hasattr(s.model, "sharded_state_dict") else
+        t, model = self.trainer, self.trainer.strategy.model
+        held = ({"sharded": model.sharded_state_dict()} if hasattr(model, "sharded_state_dict") else
                 {"model": t.net.state_dict(), "optimizer": t.optimizer.state_dict()})
         if self.outer is not None:
             held["outer"] = self.outer.local_state()
