@@ -3,6 +3,7 @@
     python scripts/make_fault_tolerance_doc.py                # run the soak (~2 min on 2 cores), then render
     python scripts/make_fault_tolerance_doc.py --render-only  # rewrite the document from the committed data
     sudo python scripts/make_fault_tolerance_doc.py --only elastic   # the host lost and back (~2 min, root)
+    python scripts/make_fault_tolerance_doc.py --only live      # live recovery's long soak (~15 min, torchft)
 
 The soak is tests/test_fault_tolerance.py::test_soak_three_kills_and_the_same_state_bitwise, run by
 pytest with MINIDIST_SOAK_OUT set: it asserts the final state equals the uninterrupted run's,
@@ -61,6 +62,45 @@ def elastic() -> None:
     record(ELASTIC, json.loads((out / "elastic.json").read_text()), provenance(ELASTIC_COMMAND, torch.__version__))
 
 
+LIVE = ROOT / "docs" / "fault_tolerance" / "data" / "live_soak.json"
+LIVE_TEST = "tests/test_live_recovery.py::test_live_recovery_soak_kills_on_a_schedule"
+LIVE_ENV = {"MINIDIST_LIVE_SOAK_JOB": "default", "MINIDIST_LIVE_SOAK_GROUP_SIZE": "2", "MINIDIST_LIVE_SOAK_STEPS": "1000",
+            "MINIDIST_LIVE_SOAK_KILL_EVERY_S": "15", "MINIDIST_LIVE_SOAK_KILLING": "0.9", "MINIDIST_LIVE_SOAK_DELAY_S": "0"}
+LIVE_COMMAND = " ".join(f"{k}={v}" for k, v in LIVE_ENV.items()) + f" MINIDIST_LIVE_SOAK_OUT=FILE python -m pytest {LIVE_TEST}"
+
+
+def live() -> None:
+    """Live recovery's long soak (the soak test with MINIDIST_LIVE_SOAK_OUT): its figures committed."""
+    import torch
+
+    out = Path(tempfile.mkdtemp(prefix="minidist-live-soak-")) / "live_soak.json"
+    env = {**os.environ, **LIVE_ENV, "MINIDIST_LIVE_SOAK_OUT": str(out), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", LIVE_TEST], cwd=ROOT, env=env)
+    if done.returncode != 0 or not out.is_file():
+        raise SystemExit(f"the live soak test failed (exit {done.returncode}): nothing written")
+    record(LIVE, json.loads(out.read_text()), provenance(LIVE_COMMAND, torch.__version__))
+
+
+def live_values() -> dict:
+    """The live soak's figures as the template's values (live=False where none is committed)."""
+    if not LIVE.is_file():
+        return {"live": False}
+    d, r = load(LIVE)["results"], load(LIVE)["results"]["restart_based"]
+    per_s = lambda samples, s: samples / s  # noqa: E731
+    return dict(
+        live=True, l_steps=f"{d['steps']:,}", l_groups=d["groups"], l_group_size=d["group_size"],
+        l_strategy=d["strategy"], l_every_s=f"{d['kill_every_s']:g}", l_kills=len(d["kills"]),
+        l_job="`make train`'s job (gpt_nano on stdlib_text, micro-batch 16)" if d["job"] == "default" else "a tiny GPT",
+        l_ckpt_every=d["ckpt_every"],
+        l_straight_s=f"{d['straight_s']:.1f}", l_killed_s=f"{d['with_kills_s']:.1f}",
+        l_straight_rate=f"{per_s(d['straight_samples'], d['straight_s']):.0f}",
+        l_killed_rate=f"{per_s(d['committed_samples'], d['with_kills_s']):.0f}",
+        l_ratio=f"{100 * d['ratio']:.0f}%", l_meets="meets" if d["ratio"] >= 0.85 else "falls short of",
+        l_discarded=d["steps_discarded"], l_heals=d["heals"], l_heal_s=f"{d['heal_s_median']:.2f}",
+        r_straight_s=f"{r['straight_s']:.1f}", r_killed_s=f"{r['with_kills_s']:.1f}", r_kills=r["kills"],
+        r_ratio=f"{100 * r['ratio']:.0f}%", **made_by(load(LIVE)["provenance"], "l_", "torch"))
+
+
 def render() -> str:
     soak, elastic = load(DATA), load(ELASTIC) if ELASTIC.is_file() else None
     d, p = soak["results"], soak["provenance"]
@@ -74,7 +114,7 @@ def render() -> str:
         back_to=", ".join(str(step - r) for (_, step), r in zip(kills, redone)), lost_s=f"{d['lost_s']:.1f}",
         lost_per_restart_s=f"{d['lost_s'] / len(kills):.1f}", redone_s=f"{sum(redone) * per_step:.1f}",
         step_ms=f"{1e3 * per_step:.0f}", torch=p["torch"], date=p["date"], commit=p["commit"][:12],
-        elastic=elastic is not None)
+        elastic=elastic is not None, **live_values())
     if elastic is not None:
         e, w = elastic["results"], elastic["results"]["world_sizes"]
         values.update(
@@ -104,7 +144,7 @@ def with_quotes(text: str) -> str:
                     f"every step's sample ids {'the same' if e['samples_identical'] else 'DIFFERENT'}")})
 
 
-DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak, "elastic": elastic}, readme_quotes=with_quotes,
+DOCUMENT = Document(Path(__file__), DOC, render, {"soak": soak, "elastic": elastic, "live": live}, readme_quotes=with_quotes,
                     quote_tag="fault_tolerance")
 
 if __name__ == "__main__":
