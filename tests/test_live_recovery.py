@@ -397,30 +397,43 @@ def test_live_recovery_soak_kills_on_a_schedule(tmp_path):
                        committed_samples=committed_samples(run_dir, group_batch))
         figures["ratio"] = round(figures["committed_samples"] / killed_s /
                                  (figures["straight_samples"] / figures["straight_s"]), 3)
-        figures["restart_based"] = restart_based(tmp_path, common, every, every_s, "ddp", tiny)
+        figures["restart_based"] = restart_based(tmp_path, common, every, every_s, tiny, total, 1.2 * killed_s)
         Path(env("MINIDIST_LIVE_SOAK_OUT")).write_text(json.dumps(figures))
     print("live soak:", json.dumps(figures))
 
 
-def restart_based(tmp_path: Path, common: list[str], every: int, every_s: float, strategy: str, tiny: bool) -> dict:
+def restart_based(tmp_path: Path, common: list[str], every: int, every_s: float, tiny: bool, total: int,
+                  give_up_s: float) -> dict:
     """The same job on 4 ranks under torchrun --max-restarts, a checkpoint every `every` steps, the
-    same kill schedule: what a restart from the last checkpoint commits per second."""
+    same kill schedule, given `give_up_s` (the live run's time, and a fifth more): what a restart
+    from the last checkpoint commits per second. Committed = the steps its checkpoints hold (a
+    restart that cannot reach its next checkpoint between two kills commits nothing)."""
+    import signal
     import time
 
-    def torchrun(run_dir: Path) -> float:
-        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "--max-restarts", "50",
-               "--monitor-interval", "0.1", str(RECIPE),
-               *(tiny_overrides if tiny else lambda *o, strategy: [f"strategy={strategy}", *o])(
-                   *common, f"trainer.ckpt_every={every}", f"hydra.run.dir={run_dir}", strategy=strategy)]
+    from minidist.train.checkpoint import latest_checkpoint
+
+    def torchrun(run_dir: Path, limit_s: float) -> tuple[float, bool]:
+        job = [*common, f"trainer.ckpt_every={every}", f"hydra.run.dir={run_dir}"]
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", "--max-restarts", "100",
+               "--monitor-interval", "0.1", str(RECIPE), *(tiny_overrides(*job) if tiny else ["strategy=ddp", *job])]
         start = time.monotonic()
-        out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                             text=True, timeout=3000)
-        assert out.returncode == 0, out.stderr[-4000:]
-        return time.monotonic() - start
-    straight_s = torchrun(tmp_path / "restart_straight")
-    run_dir, finished = tmp_path / "restart_killed", []
-    killer = Killer([run_dir], 4, every_s, lambda: (run_dir / "logs").is_dir(), lambda: bool(finished))
-    killed_s = torchrun(run_dir)
-    finished.append(True)
+        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            finished = p.wait(timeout=limit_s) == 0
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            finished = False
+        return time.monotonic() - start, finished
+    straight_s, finished = torchrun(tmp_path / "restart_straight", 3000)
+    assert finished
+    run_dir, done = tmp_path / "restart_killed", []
+    killer = Killer([run_dir], 4, every_s, lambda: (run_dir / "logs").is_dir(), lambda: bool(done))
+    killed_s, finished = torchrun(run_dir, give_up_s)
+    done.append(True)
+    ckpt = latest_checkpoint(run_dir)
+    steps = total if finished else int(ckpt.name.split("_")[-1]) if ckpt is not None else 0
     return {"straight_s": round(straight_s, 1), "with_kills_s": round(killed_s, 1), "kills": len(killer.kills),
-            "ratio": round(straight_s / killed_s, 3)}  # the same samples: total x the global batch, both
+            "finished": finished, "steps_committed": steps, "ratio": round(steps / killed_s / (total / straight_s), 3)}

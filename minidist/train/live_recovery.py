@@ -235,6 +235,8 @@ class LiveRecovery:
         if not contributing:
             flat.zero_()
         self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        if self.manager.errored():  # (a peer died mid-reduce) close our connections now: the groups
+            self.manager._pg.abort()  # waiting on us in gloo's ring fail at once, not after the timeout
         self.participants = int(flat[-1].item())
         flat = flat[:-1].div_(max(self.participants, 1))
         offset = 0
