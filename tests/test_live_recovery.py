@@ -104,6 +104,9 @@ class TwoGroups:
     def should_commit(self):
         return self.commit
 
+    def errored(self):
+        return None
+
 
 def test_the_average_counts_only_the_groups_that_contribute():
     live = LiveRecovery.__new__(LiveRecovery)
