@@ -39,8 +39,7 @@ class Group:
     """One replica group's rank processes."""
 
     def __init__(self, cmd: list[str], size: int, env: dict, log: Path, console: bool):
-        self.started = time.time()
-        port = free_port()
+        self.started, port = time.time(), free_port()
         with append_file(log) as out:
             self.ranks = [subprocess.Popen(cmd, env={**env, LAUNCHED_AT: repr(self.started), "RANK": str(r),
                                                      "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
@@ -110,8 +109,9 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
             for g, group in list(running.items()):
                 if (code := group.poll()) is None:
                     continue
-                heals = lambda o: o not in relaunched or healed_since(run_dir / f"group_{o}", running[o].started)  # noqa: E731
-                live = [o for o in running if o != g and heals(o)]  # groups one could heal from
+                def heals(o: int) -> bool:  # a group one could heal from: not a relaunch still healing itself
+                    return o not in relaunched or healed_since(run_dir / f"group_{o}", running[o].started)
+                live = [o for o in running if o != g and heals(o)]
                 if code == 0:
                     finished.append(g)
                 elif cfg.ft.relaunch and live and not finished and heals(g):

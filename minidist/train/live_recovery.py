@@ -154,8 +154,7 @@ class LiveRecovery:
         self.outer = getattr(trainer.strategy, "outer", None)  # DiLoCo: the groups meet at its outer syncs
         if self.outer is not None:
             self.outer.across = self.sync_across
-        # What the trainer calls between backward and the optimizer step: the per-step reduce and vote
-        # (under DiLoCo the inner steps are each group's own).
+        # Between backward and the optimizer step: the reduce and vote (DiLoCo: each group's own inner steps)
         self.before_optimizer = self.reduce_and_vote if self.outer is None else None
 
     # ------------------------------------------------------------------ the step
@@ -235,8 +234,8 @@ class LiveRecovery:
         if not contributing:
             flat.zero_()
         self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
-        if self.manager.errored():  # (a peer died mid-reduce) close our connections now: the groups
-            self.manager._pg.abort()  # waiting on us in gloo's ring fail at once, not after the timeout
+        if self.manager.errored():  # a peer died mid-reduce: close our connections, so the groups waiting
+            self.manager._pg.abort()  # on us in gloo's ring fail at once, not after the timeout
         self.participants = int(flat[-1].item())
         flat = flat[:-1].div_(max(self.participants, 1))
         offset = 0
