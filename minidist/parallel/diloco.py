@@ -171,6 +171,15 @@ class Fragment:
     def numel(self) -> int:
         return self.place.numel
 
+    def restore(self, start: torch.Tensor, momentum: torch.Tensor | None, synced_at: int, taken_at: int) -> None:
+        """Its outer state from a saved one, given as this rank's slices."""
+        with torch.no_grad():
+            self.start.copy_(start)
+        self.outer.state.clear()
+        if momentum is not None:
+            self.outer.state[self.start] = {"momentum_buffer": momentum}
+        self.synced_at, self.taken_at = int(synced_at), int(taken_at)
+
 
 class DiLoCo:
     """The outer loop over a worker's parameters (how: docs/internals.md, "parallel/diloco.py").
@@ -311,12 +320,8 @@ class DiLoCo:
             if saved["start"].numel() != f.numel:
                 raise ValueError(f"fragment {f.index}: the checkpoint's has {saved['start'].numel()} elements, "
                                  f"this model's {f.numel}")
-            with torch.no_grad():
-                f.start.copy_(mine(saved["start"]))
-            f.outer.state.clear()
-            if saved["momentum"] is not None:
-                f.outer.state[f.start] = {"momentum_buffer": mine(saved["momentum"])}
-            f.synced_at, f.taken_at = int(saved["synced_at"]), int(saved["taken_at"])
+            f.restore(mine(saved["start"]), mine(m) if (m := saved["momentum"]) is not None else None,
+                      saved["synced_at"], saved["taken_at"])
             pending = saved["pending"]
             f.delta, f.apply_at = (mine(pending["delta"]), int(pending["apply_at"])) if pending \
                 else (None, None)
@@ -342,8 +347,8 @@ class DiLoCo:
         self._refresh()
 
     def local_state(self) -> dict:
-        """This rank's slices of the outer state, no collective (what the same rank of another
-        replica group heals from; torchft asks from a thread of its own)."""
+        """This rank's slices of the outer state, no collective (what the same rank of another replica
+        group heals from, keeping the tensors it received; torchft asks from a thread of its own)."""
         return {"step": self.step, "fragments": [
             {"start": f.start.detach().clone(), "synced_at": f.synced_at, "taken_at": f.taken_at,
              "momentum": f.outer.state.get(f.start, {}).get("momentum_buffer")} for f in self.fragments]}
@@ -351,12 +356,7 @@ class DiLoCo:
     def load_local_state(self, state: dict) -> None:
         self.step = int(state["step"])
         for f, saved in zip(self.fragments, state["fragments"]):
-            with torch.no_grad():
-                f.start.copy_(saved["start"])
-            f.outer.state.clear()
-            if saved["momentum"] is not None:
-                f.outer.state[f.start] = {"momentum_buffer": saved["momentum"].clone()}
-            f.synced_at, f.taken_at = int(saved["synced_at"]), int(saved["taken_at"])
+            f.restore(saved["start"], saved["momentum"], saved["synced_at"], saved["taken_at"])
 
     def memory_tensors(self) -> list[torch.Tensor]:
         """What the outer loop adds on this rank: the outer weights' slices, their momentum and the
