@@ -4,11 +4,14 @@ started as torchrun starts them (its variables; the group's rank 0 hosts its TCP
 torchrun's agent, whose own import of torch would add ~3 s to each relaunch. A group one of whose
 ranks dies is stopped whole and started again while another lives (`ft.relaunched=true`: it reads
 no checkpoint, it heals from a live group); one that started again after the others finished has
-nothing to heal from and is stopped. Several machines or SLURM: one torchrun per group
+nothing to heal from and is stopped. With ft.spare, each group has a spare, started once the group
+commits (its imports done, then waiting): a group that dies is replaced by its spare at once, and
+a new spare started once that one commits. Several machines or SLURM: one torchrun per group
 (docs/multinode.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -17,7 +20,7 @@ import time
 from pathlib import Path
 
 from minidist.dist import free_port
-from minidist.train.live_recovery import LAUNCHED_AT, healed_since, summarize
+from minidist.train.live_recovery import STARTS_ON_STDIN, logged_since, summarize
 from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
 
@@ -36,18 +39,29 @@ def group_command(overrides: list[str], run_dir: Path, g: int, groups: int, size
 
 
 class Group:
-    """One replica group's rank processes."""
+    """One replica group's rank processes: started at once, or a spare's waiting for go()."""
 
-    def __init__(self, cmd: list[str], size: int, env: dict, log: Path, console: bool):
-        self.started, port = time.time(), free_port()
+    def __init__(self, cmd: list[str], size: int, env: dict, log: Path, console: bool, spare: bool = False):
+        self.started = None
         with append_file(log) as out:
-            self.ranks = [subprocess.Popen(cmd, env={**env, LAUNCHED_AT: repr(self.started), "RANK": str(r),
-                                                     "LOCAL_RANK": str(r), "WORLD_SIZE": str(size),
-                                                     "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-                                                     "MASTER_PORT": str(port)},
+            self.ranks = [subprocess.Popen(cmd, env={**env, STARTS_ON_STDIN: "1", "RANK": str(r), "LOCAL_RANK": str(r),
+                                                     "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
+                                                     "MASTER_ADDR": "127.0.0.1"}, stdin=subprocess.PIPE,
                                            stdout=None if console and r == 0 else out,
                                            stderr=None if console and r == 0 else out, start_new_session=True)
                           for r in range(size)]
+        if not spare:
+            self.go()
+
+    def go(self) -> Group:
+        """Start (minidist.train.live_recovery.await_start): the launch time, and the port for the
+        group's TCPStore, which its rank 0 hosts."""
+        self.started, port = time.time(), free_port()
+        for p in self.ranks:
+            with contextlib.suppress(OSError):  # (a rank that died already: poll() says it)
+                p.stdin.write(f"{self.started!r} {port}\n".encode())
+                p.stdin.close()
+        return self
 
     def poll(self) -> int | None:
         """None while running; 0 when every rank finished; else the first failure's status, the
@@ -85,9 +99,9 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
     env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
-    def start(g: int, relaunched: bool) -> Group:  # group 0's rank 0 on the console (its progress bar)
+    def start(g: int, relaunched: bool, spare: bool = False) -> Group:  # group 0's rank 0 on the console
         return Group(group_command(overrides, run_dir, g, groups, size, address, relaunched), size, env,
-                     run_dir / "logs" / f"group_{g}.log", console=g == 0)
+                     run_dir / "logs" / f"group_{g}.log", console=g == 0, spare=spare)
 
     def ended(g: int, code: int) -> str:
         why = "; ".join(r["line"] for r in read_records(run_dir / f"group_{g}", running[g].started).values())
@@ -95,11 +109,14 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
 
     stop: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    running = {g: start(g, False) for g in range(groups)}
+    running, spares = {g: start(g, False) for g in range(groups)}, {}
     finished, failed, relaunched, relaunches = [], {}, set(), 0
     try:
         while running:
             time.sleep(0.1)
+            for g in [g for g in running if cfg.ft.spare and cfg.ft.relaunch and g not in spares]:
+                if logged_since(run_dir / f"group_{g}", "commit", running[g].started):  # (after it, not beside)
+                    spares[g] = start(g, True, spare=True)
             if stop:  # pass the stop on (before a rank's stop status is taken for a failure): each group
                 for group in running.values():  # checkpoints the step it reached
                     group.signal(stop[0])
@@ -110,14 +127,15 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
                 if (code := group.poll()) is None:
                     continue
                 def heals(o: int) -> bool:  # a group one could heal from: not a relaunch still healing itself
-                    return o not in relaunched or healed_since(run_dir / f"group_{o}", running[o].started)
+                    return o not in relaunched or logged_since(run_dir / f"group_{o}", "heal", running[o].started)
                 live = [o for o in running if o != g and heals(o)]
                 if code == 0:
                     finished.append(g)
                 elif cfg.ft.relaunch and live and not finished and heals(g):
                     print(f"{ended(g, code)}; the others go on, and it starts again to heal from them (its "
                           f"log: {run_dir / f'group_{g}' / 'logs'})", file=sys.stderr, flush=True)
-                    running[g] = start(g, True)
+                    spare = spares.pop(g, None)  # (one that failed while it waited is not used)
+                    running[g] = spare.go() if spare and spare.poll() is None else start(g, True)
                     relaunched.add(g)
                     relaunches += 1
                     continue
@@ -131,6 +149,9 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
                               "from (the others have finished or failed); it is stopped", file=sys.stderr, flush=True)
                         running[other].signal(signal.SIGTERM)
     finally:
+        for spare in spares.values():  # (waiting, or still importing: nothing of theirs to keep)
+            spare.signal(signal.SIGKILL)
+            spare.wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if lighthouse is not None:

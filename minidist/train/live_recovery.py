@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,6 +36,7 @@ from minidist.train.run_files import append_file
 
 LOG = "participation.jsonl"
 LAUNCHED_AT = "MINIDIST_FT_LAUNCHED_AT"  # the launcher's time.time() at this group's launch (its heal row says it)
+STARTS_ON_STDIN = "MINIDIST_FT_STARTS_ON_STDIN"  # set by ft_launch: a rank's start comes as a line on stdin
 
 
 def require_torchft() -> None:
@@ -96,9 +98,24 @@ def summarize(run_dir: Path) -> dict:
             "heal_s_median": statistics.median(heals) if heals else None}
 
 
-def healed_since(group_dir: Path, since: float) -> bool:
-    """Has this group healed from a peer since `since` (a relaunch's time)?"""
-    return any(r["kind"] == "heal" and r["time"] >= since for r in log_rows(group_dir))
+def logged_since(group_dir: Path, kind: str, since: float) -> bool:
+    """Has this group logged a `kind` row ("heal", "commit") since `since` (its launch's time)?"""
+    return any(r["kind"] == kind and r["time"] >= since for r in log_rows(group_dir))
+
+
+def await_start() -> bool:
+    """A rank ft_launch started waits here for its start: the launch time and its group's port, a
+    line on stdin, given at once, or to a spare (ft.spare: started ahead, its imports done) when its
+    group dies. False: the launcher ended (stdin closed) without needing it."""
+    if not os.environ.get(STARTS_ON_STDIN):
+        return True
+    import minidist.train.trainer  # noqa: F401 - what the rank imports next, done while it waits
+
+    words = sys.stdin.readline().split()
+    if len(words) != 2:
+        return False
+    os.environ[LAUNCHED_AT], os.environ["MASTER_PORT"] = words
+    return True
 
 
 def _weights_only_transport(timeout: timedelta):
