@@ -78,7 +78,15 @@ def live() -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", LIVE_TEST], cwd=ROOT, env=env)
     if done.returncode != 0 or not out.is_file():
         raise SystemExit(f"the live soak test failed (exit {done.returncode}): nothing written")
-    record(LIVE, json.loads(out.read_text()), provenance(LIVE_COMMAND, torch.__version__))
+    results = json.loads(out.read_text())
+    theirs = out.parent / "torchft_ddp.json"  # torchft's own DDP on the same schedule, as long as the restart-based run
+    done = subprocess.run([sys.executable, "scripts/torchft_ddp_soak.py", "--out", str(theirs), "--steps",
+                           str(results["steps"]), "--kill-every-s", str(results["kill_every_s"]),
+                           "--give-up-s", str(1.2 * results["with_kills_s"])], cwd=ROOT, env=env)
+    if done.returncode != 0 or not theirs.is_file():
+        raise SystemExit(f"scripts/torchft_ddp_soak.py failed (exit {done.returncode}): nothing written")
+    results["torchft_ddp"] = json.loads(theirs.read_text())
+    record(LIVE, results, provenance(LIVE_COMMAND + "; python scripts/torchft_ddp_soak.py", torch.__version__))
 
 
 def live_values() -> dict:
