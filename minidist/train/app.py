@@ -203,15 +203,14 @@ def quiet_unless_rank0(run_dir: Path, rank: int):
     sys.stdout.flush(), sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
     with append_file(run_dir / "logs" / f"rank_{rank}.console") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
+        for fd in (1, 2):
+            os.dup2(out.fileno(), fd)
         try:
             yield
         finally:
             sys.stdout.flush(), sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0]), os.close(saved[1])
+            for fd, kept in zip((1, 2), saved):
+                os.dup2(kept, fd), os.close(kept)
 
 
 def run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, job: str | None = None) -> dict:
@@ -259,15 +258,14 @@ def _run_rank(cfg_dict: dict, run_dir: str, resume_from: str | None, stop: StopS
             print(line, file=sys.stderr, flush=True)
         raise SystemExit(1) from e
     finally:
-        if under_launcher():
-            # The process outlives this run (a --multirun sweep runs its jobs one after the
-            # other): keep the process group, whose rendezvous cannot be repeated under
-            # torchrun's store, and destroy it when the process exits.
-            if not getattr(run_rank, "_shutdown_registered", False):
-                atexit.register(minidist.shutdown)
-                run_rank._shutdown_registered = True
-        else:
+        if not under_launcher():
             minidist.shutdown()
+        elif not getattr(run_rank, "_shutdown_registered", False):
+            # The process outlives this run (a --multirun sweep runs its jobs one after the other):
+            # keep the process group, whose rendezvous cannot be repeated under torchrun's store,
+            # and destroy it when the process exits.
+            atexit.register(minidist.shutdown)
+            run_rank._shutdown_registered = True
 
 
 def command_line_overrides() -> list[str]:

@@ -70,6 +70,7 @@ class Group:
         bad = [c for c in codes if c not in (None, 0)]
         if bad:
             self.signal(signal.SIGKILL)
+            self.wait()  # (gone before a spare takes the run directory's lock)
             return bad[0] if bad[0] > 0 else 128 - bad[0]
         return None if None in codes else 0
 

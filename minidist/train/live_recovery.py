@@ -254,31 +254,21 @@ class LiveRecovery:
         if self.manager.errored():  # a peer died mid-reduce: close our connections, so the groups waiting
             self.manager._pg.abort()  # on us in gloo's ring fail at once, not after the timeout
         self.participants = int(flat[-1].item())
-        flat = flat[:-1].div_(max(self.participants, 1))
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, mean in zip(tensors, flat[:-1].div_(max(self.participants, 1)).split([t.numel() for t in tensors])):
+            t.copy_(mean.view_as(t))
         return self.manager.should_commit()
 
     def reduce_and_vote(self) -> bool:
         """The step's gradient, as this rank holds it, averaged across the groups; then the vote.
         True: step (the trainer's before_optimizer)."""
-        grads = []
-        for group in self.trainer.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:  # every group sends the same layout, used or not
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        committed = self.average_across(grads, contributing=self.place is not None)
-        sampler = self.trainer.sampler
-        if committed:
-            sampler.seek(self.taken + self.participants)
-            self._write("commit", place=self.place, participants=self.participants)
-        else:
-            sampler.seek(self.taken)  # its samples are served again
-            self.discarded += 1
-            self._write("discard")
+        params = [p for group in self.trainer.optimizer.param_groups for p in group["params"]]
+        for p in (p for p in params if p.grad is None):  # every group sends the same layout, used or not
+            p.grad = torch.zeros_like(p)
+        committed = self.average_across([p.grad for p in params], contributing=self.place is not None)
+        self.trainer.sampler.seek(self.taken + (self.participants if committed else 0))  # (discarded: served again)
+        self.discarded += not committed
+        self._write("commit" if committed else "discard", place=self.place if committed else None,
+                    participants=self.participants)
         return committed
 
     def _write(self, kind: str, **fields) -> None:

@@ -42,21 +42,6 @@ def marker(run_dir: Path, rank: int, step: int) -> Path:
     return Path(run_dir) / "faults" / f"killed_rank{rank}_step{step}"
 
 
-def maybe_kill(kills: list[tuple[int, int]], run_dir: Path, rank: int, step: int) -> None:
-    """Die now if this (rank, step) is planned and has not happened in this run directory yet."""
-    if (rank, step) not in kills:
-        return
-    path = marker(run_dir, rank, step)
-    if path.exists():
-        return  # it happened before the restart: run through
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        f.write(f"rank {rank} killed itself after step {step}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _rank_and_step(debug_cfg, prefix: str) -> tuple[int, int] | None:
     """(debug.PREFIX_rank, debug.PREFIX_at_step), or None when no step is given."""
     if debug_cfg is None or debug_cfg.get(f"{prefix}_at_step") is None:
@@ -75,9 +60,17 @@ class FaultPlan:
         self.step_delay_s = float(debug_cfg.get("step_delay_s", 0) or 0) if debug_cfg is not None else 0.0
 
     def maybe_kill(self, run_dir: Path, rank: int, step: int, during: str = "step") -> None:
-        """Die now if planned for this rank and step, `during` the step or its checkpoint's save."""
-        if during == self.kill_during:
-            maybe_kill(self.kills, run_dir, rank, step)
+        """Die now if planned for this rank and step, `during` the step or its checkpoint's save,
+        and not done in this run directory yet (before a restart: then it runs through)."""
+        path = marker(run_dir, rank, step)
+        if during != self.kill_during or (rank, step) not in self.kills or path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"rank {rank} killed itself after step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def maybe_stall(self, rank: int, step: int) -> None:
         """Stop participating, for good, if this rank is to stall before this step (and sleep
