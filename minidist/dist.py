@@ -68,7 +68,10 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + first_range.split("-")[0]  # keeps zero padding: "03-05" -> "03"
 
 
-def _int(env: Mapping[str, str], key: str) -> int:
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
+    """env[key] as an integer (`default` where it is unset and one is given)."""
+    if default is not None and key not in env:
+        return default
     try:
         return int(env[key])
     except ValueError:
@@ -103,34 +106,20 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
-        local_world = ranks_per_host(env) or world
-        return LaunchInfo(
-            launcher="torchrun",
-            rank=_int(env, "RANK"),
-            world_size=world,
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else _int(env, "RANK"),
-            local_world_size=local_world,
-            node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 29500,
-        )
+        return LaunchInfo("torchrun", rank=_int(env, "RANK"), world_size=world,
+                          local_rank=_int(env, "LOCAL_RANK", _int(env, "RANK")),
+                          local_world_size=ranks_per_host(env) or world, node_rank=_int(env, "GROUP_RANK", 0),
+                          master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=_int(env, "MASTER_PORT", 29500))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
-        nodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
-        local_world = ranks_per_host(env) or max(1, world // max(1, nodes))  # hosts that differ: a guess
-        job_id = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+        local_world = ranks_per_host(env) or max(1, world // max(1, _int(env, "SLURM_NNODES", 1)))  # unequal hosts: a guess
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
-        return LaunchInfo(
-            launcher="slurm",
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=world,
-            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            local_world_size=local_world,
-            node_rank=_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0,
-            master_addr=env.get("MASTER_ADDR", first_slurm_host(nodelist)),
-            # Every task of the job derives the same port; different jobs on a node rarely collide.
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else 15000 + job_id % 20000,
-        )
+        return LaunchInfo("slurm", rank=_int(env, "SLURM_PROCID"), world_size=world,
+                          local_rank=_int(env, "SLURM_LOCALID", 0), local_world_size=local_world,
+                          node_rank=_int(env, "SLURM_NODEID", 0),
+                          master_addr=env.get("MASTER_ADDR", first_slurm_host(nodelist)),
+                          # Every task of the job derives the same port; different jobs on a node rarely collide.
+                          master_port=_int(env, "MASTER_PORT", 15000 + _int(env, "SLURM_JOB_ID", 0) % 20000))
     return LaunchInfo("single", 0, 1, 0, 1, 0, "127.0.0.1", 0)
 
 

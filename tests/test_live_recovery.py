@@ -2,6 +2,7 @@
 that heals from a live peer (no checkpoint read), and a replay of the participation log that ends
 in the same state. The end-to-end runs need torchft (the ft extra, which make test-all installs)."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -76,8 +77,7 @@ def test_ft_checks_the_groups_and_the_strategy(monkeypatch):
 def test_each_group_is_launched_with_its_own_settings_over_the_users():
     cmd = group_command(["strategy=zero2", "launcher.nproc=4", "hydra.run.dir=/x", "ft=torchft", "ft.group=7"],
                         Path("/runs/a"), 1, 2, 2, "http://h:1", relaunched=True)
-    assert cmd[1:3] == ["-m", "minidist.train"]
-    assert cmd[3:] == ["strategy=zero2", "ft=torchft", "hydra.run.dir=/runs/a/group_1", "launcher.nproc=2", "ft.group=1",
+    assert cmd == ["strategy=zero2", "ft=torchft", "hydra.run.dir=/runs/a/group_1", "launcher.nproc=2", "ft.group=1",
                     "ft.groups=2", "ft.lighthouse=http://h:1", "ft.relaunched=true", "trainer.progress=false"]
 
 
@@ -168,7 +168,7 @@ def assert_survived(run_dir: Path, dead: int, killed_at: float, groups: int, lau
     assert first["time"] - heal["launched_at"] < launch_limit_s, (heal, first)
     opens = run_dir.parent / f"{run_dir.name}.opens"
     read = [line for line in (opens.read_text().splitlines() if opens.exists() else [])
-            if line.split()[0] in (repr(heal["launched_at"]), "-")]  # (-: a spare's, before its start)
+            if line.split()[0] in (repr(heal["launched_at"]), "-")]  # (-: a process without a launch time)
     assert not read, read[:5]
 
 
@@ -208,8 +208,7 @@ def killed_runs(tmp_path_factory):
             if strategy == "ddp":
                 threading.Thread(target=hang, daemon=True).start()
             out = ft_run(run_dir, "debug.kill_rank=3", f"debug.kill_at_step={KILL_AT}", "trainer.max_steps=150",
-                         "debug.step_delay_s=0.12", "ft.timeout_s=4", "launcher.peer_timeout_s=3",
-                         f"ft.spare={str(strategy == 'ddp').lower()}", strategy=strategy)  # zero2's relaunch starts cold
+                         "debug.step_delay_s=0.12", "ft.timeout_s=4", "launcher.peer_timeout_s=3", strategy=strategy)
             assert out.returncode == 0, out.stderr[-4000:]
             made[strategy] = run_dir, out, hung.get("at")
         return made[strategy]
@@ -236,7 +235,7 @@ def test_a_killed_rank_is_survived_and_its_group_heals_from_a_peer(killed_runs, 
 def test_a_hung_rank_is_named_and_its_group_dropped_within_the_timeout(killed_runs):
     """The ddp run's SIGSTOP on rank 1 of group 0 (ft.timeout_s=4, launcher.peer_timeout_s=3): group 1
     discards at most the step whose reduce waits for it and steps on within ft.timeout_s of it (plus
-    the step): alone, or with group 0's spare, which took the hung group's place and healed first;
+    the step): alone, or with group 0 relaunched, if it took the hung group's place and healed first;
     group 0 names its silent rank in one line and is relaunched, and heals."""
     run_dir, out, hung_at = killed_runs("ddp")
     assert hung_at is not None, "the hang never happened: group 1 never reached step 40"
@@ -284,18 +283,24 @@ def test_a_diloco_worker_killed_between_syncs_rejoins_at_the_next_sync_from_a_pe
 
 
 def rank_process(run_dir: Path, rank: int):
-    """The live process of `rank` in the run (or replica group) whose hydra.run.dir is `run_dir`: the
-    oldest (a group's spare, started after it, has the same command line)."""
+    """The live process of `rank` in the replica group whose directory is `run_dir` (the launcher's
+    logs/ranks.jsonl names it), or in the torchrun run whose hydra.run.dir it is."""
     import psutil
 
-    found = []
-    for p in psutil.process_iter(["cmdline", "create_time"]):
+    ranks = run_dir.parent / "logs" / "ranks.jsonl"
+    if run_dir.name.startswith("group_"):
+        lines = ranks.read_text().splitlines() if ranks.is_file() else []
+        pids = [r["pid"] for r in map(json.loads, lines) if f"group_{r['group']}" == run_dir.name and r["rank"] == rank]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(pids[-1]) if pids else None
+        return None
+    for p in psutil.process_iter(["cmdline"]):
         try:
             if f"hydra.run.dir={run_dir}" in (p.info["cmdline"] or []) and p.environ().get("RANK") == str(rank):
-                found.append(p)
+                return p
         except psutil.NoSuchProcess:
             continue
-    return min(found, key=lambda p: p.info["create_time"], default=None)
+    return None
 
 
 def committed_past(run_dir: Path, group: int, step: int, timeout_s: float = 120) -> None:

@@ -62,12 +62,9 @@ class Handle:
         if not self._done:
             start = time.perf_counter()
             span = Span("cuda").start() if self._record is not None and self._record.device_timed else None
-            if timeout is None:
-                self._work.wait()
-            else:
-                if not isinstance(timeout, datetime.timedelta):
-                    timeout = datetime.timedelta(seconds=timeout)
-                self._work.wait(timeout)
+            if timeout is not None and not isinstance(timeout, datetime.timedelta):
+                timeout = datetime.timedelta(seconds=timeout)
+            self._work.wait() if timeout is None else self._work.wait(timeout)
             self._done = True
             if span is not None:  # how long the stream stalled in this wait()
                 self._record.device_spans.append(span.stop())
@@ -121,16 +118,13 @@ def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0, device: to
     host itself)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
-    backend = dist.get_backend(group)
-    on_cpu = device is None or torch.device(device).type == "cpu"
+    backend, on_cpu = dist.get_backend(group), device is None or torch.device(device).type == "cpu"
     if algorithm == "auto":
         wins_from = RING_WINS_FROM.get(backend, {}).get(op)
         return "ring" if wins_from is not None and nbytes >= wins_from and on_cpu else "backend"
-    if algorithm == "ring" and backend != "gloo":
-        raise ValueError(f"the send/recv ring runs on gloo process groups, not {backend}: use algorithm='backend'")
-    if algorithm == "ring" and not on_cpu:
-        raise ValueError(f"the send/recv ring takes CPU tensors (gloo's send/recv), not {device} ones: use "
-                         "algorithm='backend' or 'auto'")
+    if algorithm == "ring" and (backend != "gloo" or not on_cpu):
+        raise ValueError(f"the send/recv ring runs on gloo process groups and CPU tensors (gloo's send/recv), not "
+                         f"{backend} and {device} ones: use algorithm='backend' or 'auto'")
     return algorithm
 
 

@@ -31,11 +31,10 @@ from minidist.parallel.compat import (BufferSync, check_materialised, check_not_
 from minidist.parallel.ddp import replicate_from_source
 from minidist.parallel.flat_shard import (FlatShard, FORMAT as CHECKPOINT_FORMAT, check_format, merged_pieces,
                                           order_by_group)
-from minidist.parallel.sharded_grad import ShardedGradReduce
 from minidist.parallel.join import ShardedJoin
 from minidist.parallel.meta_init import MetaInit, is_meta_built
 from minidist.parallel.shard_optimizer import ModuleStateHooks, ShardOptimizer, parameter_groups, plain_module
-from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholders, local_grad
+from minidist.parallel.sharded_grad import FoundInfAgreement, GradientPlaceholders, ShardedGradReduce, local_grad
 
 
 def wire_option(value, block: int, what: str) -> Wire | None:

@@ -307,11 +307,6 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
         except (RunDirectoryInUse, RunDirectoryUnwritable) as e:
             error(e)
             return 2
-    if cfg.get("ft") is not None:  # a rank of ft_launch's: from here on once it says start (a spare: when needed)
-        from minidist.train.live_recovery import await_start
-        if not await_start():
-            return 0
-        started = time.time()
     cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     resume = str(ckpt) if ckpt is not None else None
     try:

@@ -1,87 +1,96 @@
 """ft=torchft's local launcher: a lighthouse, then each replica group's ranks, each group in
 <run dir>/group_<g> (its logs, TensorBoard, checkpoints, participation log). A group's ranks are
-started as torchrun starts them (its variables; the group's rank 0 hosts its TCPStore) but without
-torchrun's agent, whose own import of torch would add ~3 s to each relaunch. A group one of whose
-ranks dies is stopped whole and started again while another lives (`ft.relaunched=true`: it reads
-no checkpoint, it heals from a live group); one that started again after the others finished has
-nothing to heal from and is stopped. With ft.spare, each group has a spare, started once the group
-commits (its imports done, then waiting): a group that dies is replaced by its spare at once, and
-a new spare started once that one commits. Several machines or SLURM: one torchrun per group
-(docs/multinode.md)."""
+started as torchrun starts them (its variables; the group's rank 0 hosts its TCPStore), forked
+from one fork server that imported torch, Hydra, torchft and the trainer once: a relaunch costs
+no import (~3 s of CPU a rank, taken from the ranks still training where cores are few). A group
+one of whose ranks dies is stopped whole and started again while another lives
+(`ft.relaunched=true`: it reads no checkpoint, it heals from a live group); one that started
+again after the others finished has nothing to heal from and is stopped. Each rank started is
+a line in <run dir>/logs/ranks.jsonl (group, rank, pid, time). Several machines or SLURM: one
+torchrun per group (docs/multinode.md)."""
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import json
+import multiprocessing
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from minidist.dist import free_port
-from minidist.train.live_recovery import STARTS_ON_STDIN, logged_since, summarize
+from minidist.train.live_recovery import LAUNCHED_AT, logged_since, summarize
 from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
 
 # Overrides the launcher sets for each group itself (the user's are dropped).
 SET_HERE = ("hydra.run.dir", "launcher.nproc", "ft.group", "ft.groups", "ft.lighthouse", "ft.relaunched",
             "trainer.progress")
+PRELOAD = ["minidist.train.app", "minidist.train.trainer", "torchft"]  # what the fork server imports once
 
 
 def group_command(overrides: list[str], run_dir: Path, g: int, groups: int, size: int, lighthouse: str,
                   relaunched: bool) -> list[str]:
-    """One rank's command line in group `g` (the user's overrides, less those set here)."""
+    """One rank's overrides in group `g` (the user's, less those set here)."""
     mine = [o for o in overrides if o.lstrip("+~").split("=")[0] not in SET_HERE]
-    return [sys.executable, "-m", "minidist.train", *mine, f"hydra.run.dir={run_dir / f'group_{g}'}",
-            f"launcher.nproc={size}", f"ft.group={g}", f"ft.groups={groups}", f"ft.lighthouse={lighthouse}",
-            f"ft.relaunched={str(relaunched).lower()}", f"trainer.progress={str(g == 0).lower()}"]
+    return [*mine, f"hydra.run.dir={run_dir / f'group_{g}'}", f"launcher.nproc={size}", f"ft.group={g}",
+            f"ft.groups={groups}", f"ft.lighthouse={lighthouse}", f"ft.relaunched={str(relaunched).lower()}",
+            f"trainer.progress={str(g == 0).lower()}"]
+
+
+def run_forked_rank(argv: list[str], env: dict, log: str | None) -> None:
+    """A rank, forked from the fork server: a session, environment and output of its own, then
+    the trainer as `python -m minidist.train ARGV` runs it (its exit handlers too: a forked
+    process ends without them)."""
+    os.setsid()
+    os.environ.update(env)
+    if log is not None:
+        with append_file(Path(log)) as out:
+            for fd in (1, 2):
+                os.dup2(out.fileno(), fd)
+    from minidist.train.app import main
+    try:
+        main(argv)
+    finally:
+        atexit._run_exitfuncs()
 
 
 class Group:
-    """One replica group's rank processes: started at once, or a spare's waiting for go()."""
+    """One replica group's rank processes."""
 
-    def __init__(self, cmd: list[str], size: int, env: dict, log: Path, console: bool, spare: bool = False):
-        self.started = None
-        with append_file(log) as out:
-            self.ranks = [subprocess.Popen(cmd, env={**env, STARTS_ON_STDIN: "1", "RANK": str(r), "LOCAL_RANK": str(r),
-                                                     "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
-                                                     "MASTER_ADDR": "127.0.0.1"}, stdin=subprocess.PIPE,
-                                           stdout=None if console and r == 0 else out,
-                                           stderr=None if console and r == 0 else out, start_new_session=True)
-                          for r in range(size)]
-        if not spare:
-            self.go()
-
-    def go(self) -> Group:
-        """Start (minidist.train.live_recovery.await_start): the launch time, and the port for the
-        group's TCPStore, which its rank 0 hosts."""
+    def __init__(self, forks, argv: list[str], size: int, log: Path, console: bool):
         self.started, port = time.time(), free_port()
+        env = {LAUNCHED_AT: repr(self.started), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        self.ranks = [forks.Process(target=run_forked_rank, args=(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                                                  None if console and r == 0 else str(log)))
+                      for r in range(size)]
         for p in self.ranks:
-            with contextlib.suppress(OSError):  # (a rank that died already: poll() says it)
-                p.stdin.write(f"{self.started!r} {port}\n".encode())
-                p.stdin.close()
-        return self
+            p.start()
 
     def poll(self) -> int | None:
         """None while running; 0 when every rank finished; else the first failure's status, the
         others stopped (as torchrun stops a group)."""
-        codes = [p.poll() for p in self.ranks]
+        codes = [p.exitcode for p in self.ranks]
         bad = [c for c in codes if c not in (None, 0)]
         if bad:
             self.signal(signal.SIGKILL)
-            self.wait()  # (gone before a spare takes the run directory's lock)
+            self.wait()  # (gone: its rank 0 held the group directory's lock, which its relaunch takes)
             return bad[0] if bad[0] > 0 else 128 - bad[0]
         return None if None in codes else 0
 
     def signal(self, signum: int) -> None:
-        for p in self.ranks:
-            if p.poll() is None:
+        for p in (p for p in self.ranks if p.exitcode is None):
+            try:
                 os.killpg(p.pid, signum)
+            except ProcessLookupError:  # (not in its own session yet)
+                os.kill(p.pid, signum)
 
     def wait(self) -> None:
         for p in self.ranks:
-            p.wait()
+            p.join()
 
 
 def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
@@ -97,12 +106,18 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
                                       heartbeat_timeout_ms=int(cfg.ft.heartbeat_ms))
         address = lighthouse.address()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for key, value in (("RUST_LOG", "warn"), ("OMP_NUM_THREADS", "1")):  # the fork server's, read at its imports
+        os.environ.setdefault(key, value)
+    forks = multiprocessing.get_context("forkserver")
+    forks.set_forkserver_preload(PRELOAD)
 
-    def start(g: int, relaunched: bool, spare: bool = False) -> Group:  # group 0's rank 0 on the console
-        return Group(group_command(overrides, run_dir, g, groups, size, address, relaunched), size, env,
-                     run_dir / "logs" / f"group_{g}.log", console=g == 0, spare=spare)
+    def start(g: int, relaunched: bool) -> Group:  # group 0's rank 0 on the console (its progress bar)
+        group = Group(forks, group_command(overrides, run_dir, g, groups, size, address, relaunched), size,
+                      run_dir / "logs" / f"group_{g}.log", console=g == 0)
+        with append_file(run_dir / "logs" / "ranks.jsonl") as out:
+            out.write("".join(json.dumps({"group": g, "rank": r, "pid": p.pid, "time": group.started}) + "\n"
+                              for r, p in enumerate(group.ranks)))
+        return group
 
     def ended(g: int, code: int) -> str:
         why = "; ".join(r["line"] for r in read_records(run_dir / f"group_{g}", running[g].started).values())
@@ -110,14 +125,11 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
 
     stop: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    running, spares = {g: start(g, False) for g in range(groups)}, {}
-    finished, failed, relaunched, relaunches = [], {}, set(), 0
+    running = {g: start(g, False) for g in range(groups)}
+    finished, failed, relaunched = [], {}, []  # (relaunched: a group each time one was)
     try:
         while running:
             time.sleep(0.1)
-            for g in [g for g in running if cfg.ft.spare and cfg.ft.relaunch and g not in spares]:
-                if logged_since(run_dir / f"group_{g}", "commit", running[g].started):  # (after it, not beside)
-                    spares[g] = start(g, True, spare=True)
             if stop:  # pass the stop on (before a rank's stop status is taken for a failure): each group
                 for group in running.values():  # checkpoints the step it reached
                     group.signal(stop[0])
@@ -135,10 +147,8 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
                 elif cfg.ft.relaunch and live and not finished and heals(g):
                     print(f"{ended(g, code)}; the others go on, and it starts again to heal from them (its "
                           f"log: {run_dir / f'group_{g}' / 'logs'})", file=sys.stderr, flush=True)
-                    spare = spares.pop(g, None)  # (one that failed while it waited is not used)
-                    running[g] = spare.go() if spare and spare.poll() is None else start(g, True)
-                    relaunched.add(g)
-                    relaunches += 1
+                    running[g] = start(g, True)
+                    relaunched.append(g)
                     continue
                 else:  # (a relaunched group that died before it healed is not started a third time)
                     print(ended(g, code), file=sys.stderr, flush=True)
@@ -150,16 +160,13 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
                               "from (the others have finished or failed); it is stopped", file=sys.stderr, flush=True)
                         running[other].signal(signal.SIGTERM)
     finally:
-        for spare in spares.values():  # (waiting, or still importing: nothing of theirs to keep)
-            spare.signal(signal.SIGKILL)
-            spare.wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
         if lighthouse is not None:
             lighthouse.shutdown()
     seen = summarize(run_dir)
     heal = f", heal {seen['heal_s_median']:.1f} s median" if seen["heal_s_median"] is not None else ""
-    print(f"live recovery: {groups} groups x {size} ranks; failures survived {relaunches}, steps discarded "
+    print(f"live recovery: {groups} groups x {size} ranks; failures survived {len(relaunched)}, steps discarded "
           f"{seen['steps_discarded']}{heal}" + (f"; groups {sorted(failed)} failed" if failed else ""),
           file=sys.stderr, flush=True)
     return 0 if finished else 1

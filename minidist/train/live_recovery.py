@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +35,6 @@ from minidist.train.run_files import append_file
 
 LOG = "participation.jsonl"
 LAUNCHED_AT = "MINIDIST_FT_LAUNCHED_AT"  # the launcher's time.time() at this group's launch (its heal row says it)
-STARTS_ON_STDIN = "MINIDIST_FT_STARTS_ON_STDIN"  # set by ft_launch: a rank's start comes as a line on stdin
 
 
 def require_torchft() -> None:
@@ -101,21 +99,6 @@ def summarize(run_dir: Path) -> dict:
 def logged_since(group_dir: Path, kind: str, since: float) -> bool:
     """Has this group logged a `kind` row ("heal", "commit") since `since` (its launch's time)?"""
     return any(r["kind"] == kind and r["time"] >= since for r in log_rows(group_dir))
-
-
-def await_start() -> bool:
-    """A rank ft_launch started waits here for its start: the launch time and its group's port, a
-    line on stdin, given at once, or to a spare (ft.spare: started ahead, its imports done) when its
-    group dies. False: the launcher ended (stdin closed) without needing it."""
-    if not os.environ.get(STARTS_ON_STDIN):
-        return True
-    import minidist.train.trainer  # noqa: F401 - what the rank imports next, done while it waits
-
-    words = sys.stdin.readline().split()
-    if len(words) != 2:
-        return False
-    os.environ[LAUNCHED_AT], os.environ["MASTER_PORT"] = words
-    return True
 
 
 def _weights_only_transport(timeout: timedelta):
@@ -216,10 +199,11 @@ class LiveRecovery:
     def _quorum(self) -> None:
         start = time.perf_counter()
         self.manager.start_quorum()
-        while self._waiting():
-            # The first quorum would form with the groups that happen to be up, and a relaunched group's
-            # with itself alone: wait for all of them / a live one to heal from, each try a step discarded
-            # (torchft's way to end a step without an update).
+        # The first quorum would form with the groups that happen to be up, and a relaunched group's
+        # with itself alone: wait for all of them / a live one to heal from (with others, it has healed,
+        # or all are at step 0), each try a step discarded (torchft's way to end a step without an update).
+        while (self.manager.num_participants() < 2 if self.relaunched else
+               self.gathering and self.manager.num_participants() < self.groups):
             if time.perf_counter() - start > self.join_timeout_s:
                 raise RuntimeError(
                     "this replica group was started again, but no live group was left to heal from within "
@@ -236,11 +220,6 @@ class LiveRecovery:
             self._write("heal", heal_s=round(self.heal_s[-1], 4), launched_at=float(os.environ.get(LAUNCHED_AT, 0)))
         self.gathering = self.relaunched = False
         self.quorum = self.manager._quorum_id
-
-    def _waiting(self) -> bool:
-        if self.relaunched:  # alone, nothing to heal from yet; with others, healed (or all are at step 0)
-            return self.manager.num_participants() < 2
-        return self.gathering and self.manager.num_participants() < self.groups
 
     def average_across(self, tensors: list[torch.Tensor], contributing: bool) -> bool:
         """Each of `tensors` (this rank's part, the same layout in every group) averaged in place
