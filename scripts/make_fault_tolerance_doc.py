@@ -107,7 +107,21 @@ def live_values() -> dict:
         l_discarded=d["steps_discarded"], l_heals=d["heals"], l_heal_s=f"{d['heal_s_median']:.2f}",
         r_straight_s=f"{r['straight_s']:.1f}", r_killed_s=f"{r['with_kills_s']:.1f}", r_kills=r["kills"],
         r_ratio=f"{100 * r['ratio']:.0f}%", r_stopped="" if r["finished"] else f", then stopped: {r['steps_committed']:,} steps checkpointed",
+        **torchft_ddp_values(d.get("torchft_ddp"), d["steps"]),
         **made_by(load(LIVE)["provenance"], "l_", "torch"))
+
+
+def torchft_ddp_values(t: dict | None, steps: int) -> dict:
+    """torchft's own DDP on the soak's schedule (scripts/torchft_ddp_soak.py), where it was run."""
+    if t is None:
+        return {"torchft_ddp": False}
+    crashed = (f" {t['crashed']} of its surviving groups died with a peer ({'; '.join(t['crash_lines'])}: its "
+               "comm hook when a peer dies mid-reduce), and it keeps no checkpoint, so where every group had died "
+               "it began again from step 0." if t["crashed"] else " No surviving group died with a peer.")
+    return dict(torchft_ddp=True, t_groups=t["groups"], t_group_size=t["group_size"], t_kills=t["kills"],
+                t_killed_s=f"{t['with_kills_s']:.1f}", t_straight_s=f"{t['straight_s']:.1f}",
+                t_stopped="" if t["finished"] else f", then stopped: step {t['steps_kept']:,} of {steps:,} held",
+                t_ratio=f"{100 * t['ratio']:.0f}%", t_crashed=crashed)
 
 
 def render() -> str:
