@@ -103,7 +103,7 @@ def live_values() -> dict:
         l_straight_s=f"{d['straight_s']:.1f}", l_killed_s=f"{d['with_kills_s']:.1f}",
         l_straight_rate=f"{per_s(d['straight_samples'], d['straight_s']):.0f}",
         l_killed_rate=f"{per_s(d['committed_samples'], d['with_kills_s']):.0f}",
-        l_ratio=f"{100 * d['ratio']:.0f}%", l_meets="meets" if d["ratio"] >= 0.85 else "falls short of",
+        l_ratio=f"{100 * d['ratio']:.1f}%", l_meets="meets" if d["ratio"] >= 0.85 else "falls short of",
         l_discarded=d["steps_discarded"], l_heals=d["heals"], l_heal_s=f"{d['heal_s_median']:.2f}",
         r_straight_s=f"{r['straight_s']:.1f}", r_killed_s=f"{r['with_kills_s']:.1f}", r_kills=r["kills"],
         r_ratio=f"{100 * r['ratio']:.0f}%", r_stopped="" if r["finished"] else f", then stopped: {r['steps_committed']:,} steps checkpointed",

@@ -77,6 +77,7 @@ def run(work: Path, steps: int, kill_every_s: float, give_up_s: float) -> dict:
     """The 4 groups until one finishes or `give_up_s` passes, a kill every `kill_every_s` (0: none):
     the time, and the steps kept (the furthest step a live group holds at the end: a step lost to a
     restart from step 0 is not kept)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # (read at torchft's import: its Rust side logs every quorum)
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=2500, heartbeat_timeout_ms=1000)
