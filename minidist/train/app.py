@@ -303,7 +303,7 @@ def launch(cfg, run_dir: str | Path, job: str | None = None) -> int:
         from minidist.train.ft_launch import launch_groups
         try:
             with run_directory_lock(run_dir, ()):
-                return launch_groups(cfg, run_dir, command_line_overrides(), world)
+                return launch_groups(cfg, run_dir, command_line_overrides(), world, entry=main)
         except (RunDirectoryInUse, RunDirectoryUnwritable) as e:
             error(e)
             return 2

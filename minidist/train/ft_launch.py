@@ -41,19 +41,18 @@ def group_command(overrides: list[str], run_dir: Path, g: int, groups: int, size
             f"trainer.progress={str(g == 0).lower()}"]
 
 
-def run_forked_rank(argv: list[str], env: dict, log: str | None) -> None:
+def run_forked_rank(entry, argv: list[str], env: dict, log: str | None) -> None:
     """A rank, forked from the fork server: a session, environment and output of its own, then
-    the trainer as `python -m minidist.train ARGV` runs it (its exit handlers too: a forked
-    process ends without them)."""
+    `entry(argv)`, the trainer's main as `python -m minidist.train ARGV` runs it (its exit
+    handlers too: a forked process ends without them)."""
     os.setsid()
     os.environ.update(env)
     if log is not None:
         with append_file(Path(log)) as out:
             for fd in (1, 2):
                 os.dup2(out.fileno(), fd)
-    from minidist.train.app import main
     try:
-        main(argv)
+        entry(argv)
     finally:
         atexit._run_exitfuncs()
 
@@ -61,13 +60,13 @@ def run_forked_rank(argv: list[str], env: dict, log: str | None) -> None:
 class Group:
     """One replica group's rank processes."""
 
-    def __init__(self, forks, argv: list[str], size: int, log: Path, console: bool):
+    def __init__(self, forks, entry, argv: list[str], size: int, log: Path, console: bool):
         self.started, port = time.time(), free_port()
         env = {LAUNCHED_AT: repr(self.started), "WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        self.ranks = [forks.Process(target=run_forked_rank, args=(argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                                                  None if console and r == 0 else str(log)))
-                      for r in range(size)]
+        self.ranks = [forks.Process(target=run_forked_rank,
+                                    args=(entry, argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                          None if console and r == 0 else str(log))) for r in range(size)]
         for p in self.ranks:
             p.start()
 
@@ -94,8 +93,9 @@ class Group:
             p.join()
 
 
-def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
-    """Run the replica groups to the end; the exit status (0: some group finished the run)."""
+def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int, entry) -> int:
+    """Run the replica groups to the end, each rank `entry(its overrides)` (the trainer's main);
+    the exit status (0: some group finished the run)."""
     from torchft._torchft import LighthouseServer
 
     size = int(cfg.ft.group_size or world)
@@ -113,7 +113,7 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int) -> int:
     forks.set_forkserver_preload(PRELOAD)
 
     def start(g: int, relaunched: bool) -> Group:  # group 0's rank 0 on the console (its progress bar)
-        group = Group(forks, group_command(overrides, run_dir, g, groups, size, address, relaunched), size,
+        group = Group(forks, entry, group_command(overrides, run_dir, g, groups, size, address, relaunched), size,
                       run_dir / "logs" / f"group_{g}.log", console=g == 0)
         with append_file(run_dir / "logs" / "ranks.jsonl") as out:
             out.write("".join(json.dumps({"group": g, "rank": r, "pid": p.pid, "time": group.started}) + "\n"
