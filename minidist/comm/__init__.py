@@ -123,8 +123,8 @@ def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0, device: to
         wins_from = RING_WINS_FROM.get(backend, {}).get(op)
         return "ring" if wins_from is not None and nbytes >= wins_from and on_cpu else "backend"
     if algorithm == "ring" and (backend != "gloo" or not on_cpu):
-        raise ValueError(f"the send/recv ring runs on gloo process groups and CPU tensors (gloo's send/recv), not "
-                         f"{backend} and {device} ones: use algorithm='backend' or 'auto'")
+        raise ValueError(f"the send/recv ring runs on gloo process groups and CPU tensors (gloo's send/recv), not on "
+                         f"{backend} with {device or 'cpu'} tensors: use algorithm='backend' or 'auto'")
     return algorithm
 
 

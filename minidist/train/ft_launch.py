@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from minidist.dist import free_port
-from minidist.train.live_recovery import LAUNCHED_AT, logged_since, summarize
+from minidist.train.live_recovery import LAUNCHED_AT, healed_since, summarize
 from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
 
@@ -141,7 +141,7 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int, entry) -
                 if (code := group.poll()) is None:
                     continue
                 def heals(o: int) -> bool:  # a group one could heal from: not a relaunch still healing itself
-                    return o not in relaunched or logged_since(run_dir / f"group_{o}", "heal", running[o].started)
+                    return o not in relaunched or healed_since(run_dir / f"group_{o}", running[o].started)
                 live = [o for o in running if o != g and heals(o)]
                 if code == 0:
                     finished.append(g)

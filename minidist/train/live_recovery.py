@@ -96,9 +96,9 @@ def summarize(run_dir: Path) -> dict:
             "heal_s_median": statistics.median(heals) if heals else None}
 
 
-def logged_since(group_dir: Path, kind: str, since: float) -> bool:
-    """Has this group logged a `kind` row ("heal", "commit") since `since` (its launch's time)?"""
-    return any(r["kind"] == kind and r["time"] >= since for r in log_rows(group_dir))
+def healed_since(group_dir: Path, since: float) -> bool:
+    """Has this group healed from a peer since `since` (a relaunch's time)?"""
+    return any(r["kind"] == "heal" and r["time"] >= since for r in log_rows(group_dir))
 
 
 def _weights_only_transport(timeout: timedelta):

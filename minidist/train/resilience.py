@@ -62,8 +62,9 @@ class FaultPlan:
     def maybe_kill(self, run_dir: Path, rank: int, step: int, during: str = "step") -> None:
         """Die now if planned for this rank and step, `during` the step or its checkpoint's save,
         and not done in this run directory yet (before a restart: then it runs through)."""
-        path = marker(run_dir, rank, step)
-        if during != self.kill_during or (rank, step) not in self.kills or path.exists():
+        if during != self.kill_during or (rank, step) not in self.kills:
+            return
+        if (path := marker(run_dir, rank, step)).exists():
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "w") as f:
