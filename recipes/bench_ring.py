@@ -1,15 +1,17 @@
-"""Our send/recv ring against the backend's collective: paired, interleaved, per op and size.
+"""Our collectives (the send/recv ring, shared memory) against the backend's: paired, interleaved,
+per op and size, beside a memcpy of the same bytes (the machine's limit on one host).
 
-    python recipes/bench_ring.py                  # 2 ranks, gloo, 64 KiB .. 64 MiB
-    python recipes/bench_ring.py nproc=4
+    python recipes/bench_ring.py                  # 2 ranks, gloo: backend vs ring, 64 KiB .. 64 MiB
+    python recipes/bench_ring.py nproc=4 algorithms=[backend,shm,memcpy] sizes=[1048576,33554432]
     torchrun --nproc_per_node 4 recipes/bench_ring.py ops=[reduce_scatter]
 
-For every op and size, each round times the backend's call and the ring's call once
-each, in alternating order (so neither always goes first), on the same buffers, after
-a barrier; a call's time is the slowest rank's. Reported: the median time of each, the
-median of the per-round ratios backend/ring (the speed-up; > 1: the ring is faster),
-and busbw (nccl-tests' definition, as bench_collectives). Results land in the run
-directory (results.json).
+For every op and size, each round times each algorithm's call once, in an order rotated each
+round (so none always goes first), on the same buffers, after a barrier; a call's time is the
+slowest rank's. "memcpy" copies the op's bytes once per rank (all ranks at once, as the memory
+bus sees them during a collective). Reported per algorithm: the median time, busbw (nccl-tests'
+definition, as bench_collectives; memcpy: bytes copied per second) and the median of the
+per-round ratios backend / algorithm (the speed-up; > 1: faster than the backend) with its 95%
+interval. Results land in the run directory (results.json).
 """
 
 from __future__ import annotations
@@ -26,54 +28,55 @@ from minidist_tools.benchmarking import paired_ratio, require_known, rotated, sl
 from minidist.train.app import run_recipe
 from minidist.train.app import hydra_app
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")  # those the ring implements
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+ALGORITHMS = ("backend", "ring", "shm", "memcpy")
 
 
 def make_call(op: str, nbytes: int, n: int):
     """(call(algorithm), S in bytes) for `op` on about `nbytes` of fp32."""
     numel = max(n, nbytes // 4 // n * n)
-    big, small = torch.ones(numel), torch.ones(numel // n)
-    if op == "reduce_scatter":
-        return (lambda alg: comm.reduce_scatter_tensor(small, big, algorithm=alg)), numel * 4
-    if op == "all_gather":
-        return (lambda alg: comm.all_gather_into(big, small, algorithm=alg)), numel * 4
-    return (lambda alg: comm.all_reduce(big, algorithm=alg)), numel * 4
+    big, small, copy = torch.ones(numel), torch.ones(numel // n), torch.empty(numel)
+    calls = {"reduce_scatter": lambda alg: comm.reduce_scatter_tensor(small, big, algorithm=alg),
+             "all_gather": lambda alg: comm.all_gather_into(big, small, algorithm=alg),
+             "all_reduce": lambda alg: comm.all_reduce(big, algorithm=alg),
+             "broadcast": lambda alg: comm.broadcast(big, src=0, algorithm=alg)}
+    return (lambda alg: copy.copy_(big) if alg == "memcpy" else calls[op](alg)), numel * 4
 
 
 def bench_main(cfg_dict: dict) -> None:
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(1)
     ctx = minidist.init_distributed(backend="gloo", timeout_s=cfg.timeout_s)
-    n = ctx.world_size
-    minidist.print0(f"ring vs backend: {n} ranks, gloo, {cfg.warmup} warm-up + {cfg.rounds} paired rounds\n")
-    minidist.print0(f"{'op':<16}{'bytes':>11}{'backend ms':>12}{'ring ms':>10}{'busbw b/r GB/s':>18}"
-                    f"{'speed-up':>10}")
+    n, algorithms = ctx.world_size, list(cfg.algorithms)
+    others = [a for a in algorithms if a != "backend"]
+    minidist.print0(f"{' vs '.join(algorithms)}: {n} ranks, gloo, {cfg.warmup} warm-up + {cfg.rounds} paired rounds\n")
+    minidist.print0(f"{'op':<16}{'bytes':>11}" + "".join(f"{a + ' ms':>12}" for a in algorithms)
+                    + "".join(f"{'backend/' + a:>16}" for a in others))
     rows = []
-    size = int(cfg.min_bytes)
-    while size <= int(cfg.max_bytes):
+    for size in cfg.sizes:
         for op in cfg.ops:
-            call, s = make_call(op, size, n)
-            times = {"backend": [], "ring": []}
+            if op == "broadcast" and "ring" in algorithms:
+                continue  # no ring broadcast
+            call, s = make_call(op, int(size), n)
+            times = {a: [] for a in algorithms}
             for k in range(int(cfg.warmup) + int(cfg.rounds)):
-                for alg in rotated(["backend", "ring"], k):
+                for alg in rotated(algorithms, k):
                     comm.barrier()
                     start = time.perf_counter()
                     call(alg)
                     elapsed = slowest(time.perf_counter() - start)
                     if k >= int(cfg.warmup):
                         times[alg].append(elapsed)
-            b, r = statistics.median(times["backend"]), statistics.median(times["ring"])
-            speedup = paired_ratio(times["backend"], times["ring"])
-            ratio = speedup["median"]
-            bus = {alg: s / statistics.median(t) / 1e9 * comm.ring_bytes_sent(op, 1, n) for alg, t in times.items()}
-            rows.append({"op": op, "bytes": s, "world_size": n, "backend_ms": b * 1e3, "ring_ms": r * 1e3,
-                         "busbw_backend_GBps": bus["backend"], "busbw_ring_GBps": bus["ring"], "speedup": ratio,
-                         "speedup_ci": speedup["ci"], "rounds": len(times["ring"])})
-            minidist.print0(f"{op:<16}{s:>11}{b * 1e3:>12.2f}{r * 1e3:>10.2f}"
-                            f"{bus['backend']:>9.2f}/{bus['ring']:<8.2f}{ratio:>10.2f}")
-        size *= int(cfg.factor)
+            row = {"op": op, "bytes": s, "world_size": n, "rounds": int(cfg.rounds),
+                   "ms": {a: statistics.median(t) * 1e3 for a, t in times.items()},
+                   "busbw_GBps": {a: s / statistics.median(t) / 1e9 * (1 if a == "memcpy" else comm.ring_bytes_sent(op, 1, n))
+                                  for a, t in times.items()},
+                   "speedup": {a: paired_ratio(times["backend"], times[a]) for a in others}}
+            rows.append(row)
+            minidist.print0(f"{op:<16}{s:>11}" + "".join(f"{row['ms'][a]:>12.2f}" for a in algorithms)
+                            + "".join(f"{row['speedup'][a]['median']:>16.2f}" for a in others))
     if ctx.rank == 0:
-        write_json(cfg.out, {"world_size": n, "rows": rows})
+        write_json(cfg.out, {"world_size": n, "algorithms": algorithms, "rows": rows})
     comm.barrier()
     minidist.shutdown()
 
@@ -81,6 +84,9 @@ def bench_main(cfg_dict: dict) -> None:
 @hydra_app("bench_ring")
 def main(cfg: DictConfig) -> None:
     require_known("ops", cfg.ops, OPS)
+    require_known("algorithms", cfg.algorithms, ALGORITHMS)
+    if "backend" not in cfg.algorithms:
+        raise SystemExit("bench_ring: algorithms must include backend (every speed-up is over it)")
     run_recipe(bench_main, cfg, path_keys=("out",))
 
 

@@ -332,6 +332,94 @@ def checkpoint_values() -> dict:
         ckpt_no_core=r.get("cpus") is not None and r["cpus"] <= r["world_size"])
 
 
+SHM = DATA / "shm.json"
+SHM_SIZES = [1 << 20, 4 << 20, 32 << 20]
+SHM_BENCH = ["algorithms=[backend,shm,memcpy]", "ops=[all_reduce,reduce_scatter,all_gather,broadcast]",
+             f"sizes=[{','.join(map(str, SHM_SIZES))}]", "rounds=20"]
+SHM_DDP = [*WIDE, "compare.strategies=[ddp,native_ddp]", "compare.steps=200"]
+SHM_ZERO = ["compare.strategies=[zero2,ds_zero2,zero3,native_fsdp]", "compare.steps=30"]
+SHM_PAIRS = 5  # DataParallel over native DDP: this many runs each way (shm, gloo), interleaved run by run
+SHM_TARGETS = {"busbw_over_gloo": 3.0, "of_memcpy": 0.5, "ddp_shm": 0.70, "ddp_gloo": 1.00}
+
+
+def shm_run() -> None:
+    """Shared memory against gloo on one host: the collectives (bench_ring.py at 2 and 4 ranks,
+    beside a memcpy of the same bytes), DataParallel over native DDP on the communication-bound
+    MLP (SHM_PAIRS runs of each, alternating), make train's exposed communication, and zero2 /
+    zero3 against their references."""
+    import torch
+
+    out: dict = {"collectives": {}, "ddp": {"shm": [], "backend": []}, "train": {}}
+    for n in (2, 4):
+        out["collectives"][n], _ = run_recipe("bench_ring.py", [f"nproc={n}", *SHM_BENCH], OUT / f"shm_bench_{n}")
+    for k in range(SHM_PAIRS):
+        for way in (("shm", "backend") if k % 2 == 0 else ("backend", "shm")):
+            r, _ = run_recipe("compare.py", [*SHM_DDP, f"+compare.overrides.ddp.collectives={way}"],
+                              OUT / f"shm_ddp_{way}_{k}", label=f"ddp {way} {k + 1}/{SHM_PAIRS}")
+            row = r["rows"]["ddp"]
+            out["ddp"][way].append({"ratio": row["time_ratio"], "ci": row["time_ratio_ci"], "step_s": row["step_s"]["median"]})
+    for way in ("backend", "auto"):
+        summary, wall = run_recipe("train.py", [f"strategy.collectives={way}"], OUT / f"shm_train_{way}", "summary.json")
+        out["train"][way] = {k: summary[k] for k in ("time/step_s", "time/exposed_comm_s", "time/compute_s")}
+    r, _ = run_recipe("compare.py", SHM_ZERO, OUT / "shm_zero")
+    out["zero"] = {k: {"ratio": v["time_ratio"], "ci": v["time_ratio_ci"]} for k, v in r["rows"].items()
+                   if v["time_ratio"] is not None}
+    record(SHM, out, provenance("python scripts/make_benchmarks.py --only shm", torch.__version__))
+
+
+def shm_values() -> dict:
+    if not SHM.is_file():
+        return {"shm": False}
+    r, p = results_of(SHM)
+    t = SHM_TARGETS
+    tables, checks = [], []
+    for n, d in r["collectives"].items():
+        body = []
+        for row in d["rows"]:
+            ms, bw, sp = row["ms"], row["busbw_GBps"], row["speedup"]["shm"]
+            body.append([row["op"], f"{row['bytes'] >> 20} MiB", f"{ms['backend']:.2f}", f"{ms['shm']:.2f}",
+                         f"{ms['memcpy']:.2f}", f"{bw['backend']:.2f}", f"{bw['shm']:.2f}", f"{bw['memcpy']:.2f}",
+                         f"{sp['median']:.2f} [{sp['ci'][0]:.2f}, {sp['ci'][1]:.2f}]", f"{bw['shm'] / bw['memcpy']:.0%}"])
+            if row["op"] == "all_reduce":
+                checks.append((n, row["bytes"] >> 20, sp, bw["shm"] / bw["memcpy"]))
+        tables.append(f"{n} ranks:\n\n" + markdown_table(
+            ["op", "size", "gloo ms", "shm ms", "memcpy ms", "busbw gloo GB/s", "busbw shm GB/s", "memcpy GB/s",
+             "gloo / shm [95%]", "shm busbw / memcpy"], body))
+    def judged(items, ok):
+        good = [label for label, v in items if ok(v)]
+        bad = [label for label, v in items if not ok(v)]
+        return ("met at " + ", ".join(good) if good else "") + ("; " if good and bad else "") + \
+            ("NOT met at " + ", ".join(bad) if bad else "")
+    over_gloo = judged([(f"{n} ranks {mib} MiB ({sp['median']:.1f}x)", sp) for n, mib, sp, _ in checks],
+                       lambda sp: sp["ci"][0] >= t["busbw_over_gloo"])
+    of_memcpy = judged([(f"{n} ranks {mib} MiB ({f:.0%})", f) for n, mib, _, f in checks], lambda f: f >= t["of_memcpy"])
+    ddp = {}
+    for way, runs in r["ddp"].items():
+        ratios = [x["ratio"] for x in runs]
+        med = statistics.median(ratios)
+        ddp[way] = dict(runs=len(runs), median=f"{med:.3f}", span=f"{min(ratios):.3f}-{max(ratios):.3f}",
+                        step=f"{statistics.median(x['step_s'] for x in runs) * 1e3:.1f}",
+                        each=", ".join(f"{x['ratio']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]" for x in runs),
+                        met="met" if med <= t["ddp_" + ("shm" if way == "shm" else "gloo")] else "NOT met")
+    tr = r["train"]
+    exposed = {w: tr[w]["time/exposed_comm_s"] for w in tr}
+    zero_now = load("main")["rows"]
+    zero = [f"{k} {v['ratio']:.3f} [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}] (with gloo and the ring, main run above: "
+            f"{zero_now[k]['time_ratio']:.3f}; {'lower' if v['ratio'] < zero_now[k]['time_ratio'] else 'NOT lower'})"
+            for k, v in r["zero"].items()]  # ours: the references have no ratio
+    return dict(
+        shm=True, **made_by(p, "shm_"), shm_tables="\n\n".join(tables), shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
+        shm_target_gloo=f"{t['busbw_over_gloo']:g}", shm_target_memcpy=f"{t['of_memcpy']:.0%}",
+        shm_ddp_command="python recipes/compare.py " + " ".join(SHM_DDP), shm_pairs=SHM_PAIRS,
+        **{f"shm_ddp_{way}_{k}": v for way, d in ddp.items() for k, v in d.items()},
+        shm_target_ddp=f"{t['ddp_shm']:.2f}", shm_target_gloo_ddp=f"{t['ddp_gloo']:.2f}",
+        shm_train_gloo=f"{exposed['backend'] * 1e3:.1f}", shm_train_shm=f"{exposed['auto'] * 1e3:.1f}",
+        shm_train_ratio=f"{exposed['auto'] / exposed['backend']:.2f}",
+        shm_train_met="met" if exposed["auto"] <= exposed["backend"] / 2 else "NOT met",
+        shm_train_step_gloo=f"{tr['backend']['time/step_s'] * 1e3:.1f}", shm_train_step_shm=f"{tr['auto']['time/step_s'] * 1e3:.1f}",
+        shm_zero="; ".join(zero))
+
+
 MUON = DATA / "muon.json"
 
 
@@ -540,7 +628,8 @@ def render(img: Path = IMG) -> str:
         **bucket_values({b: load(f"bucket_{b}") for b in BUCKETS if have(f"bucket_{b}")}, img),
         **bound_values({(m, o): load(f"bound_{m}_{o}") for m in ("gpt_nano", "mlp_wide") for o in ("true", "false")
                         if have(f"bound_{m}_{o}")}),
-        **hybrid_values(), **accumulate_values(), **checkpoint_values(), **wires_values(), **muon_values(), **meta_wrap_values(),
+        **hybrid_values(), **accumulate_values(), **checkpoint_values(), **shm_values(), **wires_values(), **muon_values(),
+        **meta_wrap_values(),
         **diloco_doc.values(img))
 
 
@@ -598,7 +687,7 @@ def with_quotes(text: str) -> str:
 
 DOCUMENT = Document(Path(__file__), DOC, render,
                     {**{name: functools.partial(run, name, overrides) for name, overrides in runs().items()},
-                     "checkpoint": checkpoint_run},
+                     "checkpoint": checkpoint_run, "shm": shm_run},
                     readme_quotes=with_quotes,
                     quote_tag="benchmarks")
 

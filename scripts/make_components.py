@@ -182,17 +182,18 @@ def ring_values(runs: dict[int, dict]) -> dict:
     parts, target_items, faster = [], [], {}
     for n, d in runs.items():
         rows = d["results"]["rows"]
-        body = [[r["op"], size(r["bytes"]), f"{r['backend_ms']:.2f}", f"{r['ring_ms']:.2f}",
-                 f"{r['busbw_backend_GBps']:.2f}", f"{r['busbw_ring_GBps']:.2f}",
-                 f"{r['speedup']:.2f}{ci(r['speedup_ci'])}"] for r in rows]
+        body = [[r["op"], size(r["bytes"]), f"{r['ms']['backend']:.2f}", f"{r['ms']['ring']:.2f}",
+                 f"{r['busbw_GBps']['backend']:.2f}", f"{r['busbw_GBps']['ring']:.2f}",
+                 f"{r['speedup']['ring']['median']:.2f}{ci(r['speedup']['ring']['ci'])}"] for r in rows]
         parts.append(f"### {n} ranks{' (' + str(n) + ' processes on 2 cores)' if n > 2 else ''}\n\n{provenance_line(d)}\n\n"
                      + markdown_table(["op", "size", "backend ms", "ring ms", "busbw backend GB/s", "busbw ring GB/s",
                                        "speed-up [95%]"], body) + "\n\n")
         for r in rows:
             if r["op"] == "reduce_scatter" and r["bytes"] >= RING_TARGET_FROM:
-                target_items.append((at_least(r["speedup_ci"], RING_TARGET), f"{n} ranks {size(r['bytes'])} {r['speedup']:.2f}x"))
-            faster[(r["op"], n, r["bytes"])] = "ring" if r["speedup_ci"][0] > 1 else \
-                "backend" if r["speedup_ci"][1] < 1 else None
+                target_items.append((at_least(r["speedup"]["ring"]["ci"], RING_TARGET),
+                                     f"{n} ranks {size(r['bytes'])} {r['speedup']['ring']['median']:.2f}x"))
+            faster[(r["op"], n, r["bytes"])] = "ring" if r["speedup"]["ring"]["ci"][0] > 1 else \
+                "backend" if r["speedup"]["ring"]["ci"][1] < 1 else None
     wins_from = RING_WINS_FROM["gloo"]
     against = []
     for (op, n, nbytes), winner in faster.items():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.comm import ring
+from minidist.comm import ring, shm
 from ring_order import ring_order_sum
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -107,22 +107,36 @@ def test_async_ring_calls_overlap(world_size, ranks):
     assert all(ranks(world_size).run(overlapping_async_calls, timeout_s=120))
 
 
+def group_on_separate_hosts():
+    """A new group of every rank, set up as if each rank were on a host of its own (no shared memory)."""
+    saved, shm._host = shm._host, lambda: f"host {dist.get_rank()}"
+    try:
+        group = dist.new_group(list(range(dist.get_world_size())))
+        assert comm.choose_algorithm("all_reduce", group, "auto") == "backend"
+    finally:
+        shm._host = saved
+    return group
+
+
 def traced_once():
-    n = dist.get_world_size()
+    n, group = dist.get_world_size(), group_on_separate_hosts()
     big = 1 << 20  # elements: a 4 MiB fp32 all_gather, where the ring starts to win
     with comm.CommTracer() as tracer:
         out = torch.empty(100)
-        comm.reduce_scatter_tensor(out, torch.ones(n * 100), algorithm="auto")
-        comm.all_gather_into(torch.empty(n * 100), out, algorithm="auto", async_op=True).wait()
-        comm.all_gather_into(torch.empty(big), torch.ones(big // n), algorithm="auto", async_op=True).wait()
-        comm.all_reduce(torch.ones(10), algorithm="auto")
+        comm.reduce_scatter_tensor(out, torch.ones(n * 100), group=group, algorithm="auto")
+        comm.all_gather_into(torch.empty(n * 100), out, group=group, algorithm="auto", async_op=True).wait()
+        comm.all_gather_into(torch.empty(big), torch.ones(big // n), group=group, algorithm="auto", async_op=True).wait()
+        comm.all_reduce(torch.ones(10), group=group, algorithm="auto")
+        comm.all_reduce(torch.ones(10), algorithm="auto")  # the world: every rank on this host
     return [(rec.op, rec.algorithm, rec.bytes, rec.sent_bytes) for rec in tracer.records]
 
 
 def test_ring_is_traced_as_one_collective_and_auto_picks_it_where_it_wins(ranks):
+    """Across hosts, auto takes the ring where it measurably wins; on one host, shared memory."""
     records = ranks(4).run(traced_once)[0]
     assert records == [("reduce_scatter", "ring", 1600, 1200.0), ("all_gather", "backend", 1600, 1200.0),
-                       ("all_gather", "ring", 4 << 20, 3 << 20), ("all_reduce", "backend", 40, 60.0)]
+                       ("all_gather", "ring", 4 << 20, 3 << 20), ("all_reduce", "backend", 40, 60.0),
+                       ("all_reduce", "shm", 40, 60.0)]
 
 
 def ring_refuses_max():
@@ -210,11 +224,11 @@ def test_a_script_may_end_with_ring_calls_in_flight(end):
 
 def auto_on_cuda_tensors():
     """choose_algorithm with CUDA tensors on a gloo group (no GPU needed: it only reads the device)."""
-    big = 64 << 20
-    chosen = [comm.choose_algorithm(op, None, "auto", big, torch.device(d))
+    big, group = 64 << 20, group_on_separate_hosts()
+    chosen = [comm.choose_algorithm(op, group, "auto", big, torch.device(d))
               for op in ("reduce_scatter", "all_gather") for d in ("cpu", "cuda")]
     try:
-        comm.choose_algorithm("reduce_scatter", None, "ring", big, torch.device("cuda"))
+        comm.choose_algorithm("reduce_scatter", group, "ring", big, torch.device("cuda"))
     except ValueError as e:
         return chosen, str(e)
     return chosen, ""

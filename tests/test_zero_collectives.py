@@ -1,15 +1,15 @@
 """strategy.collectives reaches ZeRO's collectives (issue 27, part 2: forcing every stage to the
 backend passed the suite). Each stage trains two steps under the tracer with collectives=ring,
-backend and auto; every reduce_scatter and all_gather it made must have run as named (auto on
-gloo: the ring for reduce_scatter, the backend's all_gather for payloads under 4 MiB, as
-minidist.comm's measured RING_WINS_FROM says)."""
+shm, backend and auto; every reduce_scatter and all_gather it made must have run as named (auto
+with every rank on this host: shared memory; across hosts, the ring's table: tests/test_ring.py)."""
 
 import pytest
 
 EXPECTED = {
     "ring": {"reduce_scatter": {"ring"}, "all_gather": {"ring"}},
     "backend": {"reduce_scatter": {"backend"}, "all_gather": {"backend"}},
-    "auto": {"reduce_scatter": {"ring"}, "all_gather": {"backend"}},  # this model's payloads are far below 4 MiB
+    "shm": {"reduce_scatter": {"shm"}, "all_gather": {"shm"}},
+    "auto": {"reduce_scatter": {"shm"}, "all_gather": {"shm"}},
 }
 
 

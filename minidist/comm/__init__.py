@@ -2,7 +2,8 @@
 CommTracer (minidist.measure) sees and measures all communication.
 
 Each wrapper mirrors torch.distributed's call and takes `async_op` (a `Handle` with `wait()`),
-`wire_dtype` (what travels: wire.py) and `algorithm` ("backend", "ring": ring.py, or "auto").
+`wire_dtype` (what travels: wire.py) and `algorithm` ("backend", "ring": ring.py, "shm": shm.py, or
+"auto": shm where the group's ranks share a host, else the ring where it wins).
 Details: docs/internals.md, "comm/__init__.py".
 """
 
@@ -15,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.comm import check as _checks
-from minidist.comm import ring
+from minidist.comm import ring, shm
 from minidist.comm import wire as _wire
 from minidist.comm.wire import Wire  # noqa: F401  (public API)
 from minidist.comm.check import CollectiveMismatch, check_collectives, control_device  # noqa: F401  (public API)
@@ -102,7 +103,7 @@ def _finish(work, rec: CommRecord | None, async_op: bool) -> Handle | None:
     return None
 
 
-ALGORITHMS = ("auto", "backend", "ring")
+ALGORITHMS = ("auto", "backend", "ring", "shm")
 # Where our send/recv ring measurably beats the backend (recipes/bench_ring.py;
 # docs/benchmarks/components.md compares this table with the committed runs): from how many
 # bytes (the whole buffer) it wins. gloo's reduce_scatter at every size measured (64 KiB up);
@@ -115,10 +116,15 @@ def choose_algorithm(op: str, group, algorithm: str, nbytes: int = 0, device: to
     """Resolve "auto" for `op` on `group`'s backend and an `nbytes` buffer on `device`; check that
     "ring" can run there. The ring is built from gloo's send/recv, which take CPU tensors only: a
     gloo group holding CUDA tensors gets the backend's collective (gloo stages those through the
-    host itself)."""
+    host itself). "auto" and "shm" set up the group's shared memory at its first use (a collective:
+    shm.channel); where it cannot run, "shm" is the backend's (one line says why)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {list(ALGORITHMS)}")
     backend, on_cpu = dist.get_backend(group), device is None or torch.device(device).type == "cpu"
+    if algorithm in ("auto", "shm") and on_cpu and shm.channel(group, algorithm) is not None:
+        return "shm"
+    if algorithm == "shm":
+        return "backend"
     if algorithm == "auto":
         wins_from = RING_WINS_FROM.get(backend, {}).get(op)
         return "ring" if wins_from is not None and nbytes >= wins_from and on_cpu else "backend"
@@ -160,8 +166,14 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> Handle:
 # --------------------------------------------------------------------------- one to all / all to one
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
-    rec = _record("broadcast", _nbytes(tensor), tensor.dtype, group, async_op)
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False,
+              algorithm: str = "backend") -> Handle | None:
+    """Global rank `src`'s `tensor` to every rank of `group`. algorithm: "backend", "shm" or "auto"."""
+    algorithm = "backend" if algorithm == "ring" else choose_algorithm("broadcast", group, algorithm, 0, tensor.device)
+    rec = _record("broadcast", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
+    if algorithm == "shm":
+        src_in_group = src if group is None else dist.get_group_rank(group, src)
+        return _finish(shm.run("broadcast", group, async_op, tensor, arg=src_in_group), rec, async_op)
     return _finish(dist.broadcast(tensor, src=src, group=group, async_op=async_op), rec, async_op)
 
 
@@ -193,7 +205,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                algorithm: str = "backend", wire_dtype=None) -> Handle | None:
-    """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring.
+    """Reduce `tensor` over ranks in place. algorithm="ring" (sum only): our send/recv ring; "shm"
+    (sum, product, max, min): through shared memory; "auto": choose_algorithm.
     wire_dtype (sum only): what travels (bf16, fp16, int8 with block scales: wire.py), summed in full precision."""
     wire = _wire_for_sum("all_reduce", op, wire_dtype)
     if wire is not None:
@@ -205,6 +218,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     rec = _record("all_reduce", _nbytes(tensor), tensor.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_reduce(tensor, group=group, async_op=async_op), rec, async_op)
+    if algorithm == "shm":
+        return _finish(shm.run("all_reduce", group, async_op, tensor, arg=op), rec, async_op)
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
 
 
@@ -232,7 +247,7 @@ def _ring_for_sum(op_name: str, op, group, algorithm: str, tensor: torch.Tensor)
     algorithm = choose_algorithm(op_name, group, algorithm, _nbytes(tensor), tensor.device)
     if algorithm == "ring" and op != ReduceOp.SUM:
         raise ValueError(f"the ring {op_name} sums; for {op} use algorithm='backend'")
-    return algorithm
+    return "backend" if algorithm == "shm" and op not in shm.REDUCE else algorithm
 
 
 def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -245,7 +260,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
                     async_op: bool = False, algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Gather every rank's `input` into the flat `output` (world_size * input.numel()).
-    algorithm: "backend", "ring" (our send/recv ring) or "auto" (the ring where it wins).
+    algorithm: "backend", "ring" (our send/recv ring), "shm" or "auto" (choose_algorithm).
     wire_dtype: what travels (wire.py); every chunk, this rank's too, is what the wire delivered."""
     wire = _wire.as_wire(wire_dtype)
     if wire is not None:
@@ -256,6 +271,8 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None,
     rec = _record("all_gather", _nbytes(output), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.all_gather_into(output, input, group=group, async_op=async_op), rec, async_op)
+    if algorithm == "shm":
+        return _finish(shm.run("all_gather", group, async_op, output, input), rec, async_op)
     return _finish(_all_gather_flat(output, input, group=group, async_op=async_op), rec, async_op)
 
 
@@ -269,7 +286,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op=Redu
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, algorithm: str = "backend", wire_dtype=None) -> Handle | None:
     """Rank r receives the reduction of slice r of the flat `input` (world_size * output.numel()).
-    algorithm: "backend", "ring" (our send/recv ring, sum only) or "auto" (the ring where it wins).
+    algorithm: "backend", "ring" (our send/recv ring, sum only), "shm" or "auto" (choose_algorithm).
     wire_dtype (sum only): each input rounded to it once, the chunks summed in full precision (wire.py)."""
     wire = _wire_for_sum("reduce_scatter", op, wire_dtype)
     if wire is not None:
@@ -280,6 +297,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     rec = _record("reduce_scatter", _nbytes(input), input.dtype, group, async_op, algorithm=algorithm)
     if algorithm == "ring":
         return _finish(ring.reduce_scatter_tensor(output, input, group=group, async_op=async_op), rec, async_op)
+    if algorithm == "shm":
+        return _finish(shm.run("reduce_scatter", group, async_op, output, input, arg=op), rec, async_op)
     return _finish(_reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op), rec, async_op)
 
 

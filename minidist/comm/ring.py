@@ -78,22 +78,23 @@ class _Worker:
         return work
 
 
-_worker: _Worker | None = None
+_workers: dict[object, _Worker] = {}  # one per queue: the ring's calls share one, each shm group has its own
 span_listeners: list = []  # callables(label, start_s, end_s), told of every ring call that ran
 # Held while a call is issued (and while a synchronous one runs on its caller's thread):
 # the order calls are issued in is the order they run in.
 _order_lock = threading.Lock()
 
 
-def run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
-    """Run fn in issue order: on the worker thread, or, for a synchronous call with nothing
-    queued, right here (no thread hop). A synchronous call never overtakes an asynchronous
-    one still in flight: their messages share the tag and would cross.
+def run(fn, async_op: bool, label: str = "ring", queue: object = "ring") -> RingWork | None:
+    """Run fn in issue order among the calls of its `queue`: on that queue's worker thread, or,
+    for a synchronous call with nothing queued, right here (no thread hop). A synchronous call
+    never overtakes an asynchronous one still in flight: their messages share the tag and would
+    cross. Calls of different queues do not wait for each other (a group's shm collectives need
+    not be issued in the same order as another group's on every rank, as with gloo).
 
     `label` names the run for whoever watches: every callable in `span_listeners` gets
     (label, start, end) in time.perf_counter() seconds once it ran (torch.profiler does not
     see work on this module's Python thread; the comparison's timeline listens here)."""
-    global _worker
     plain = fn
 
     def fn():
@@ -103,17 +104,18 @@ def run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
             listener(label, start, time.perf_counter())
 
     with _order_lock:
-        if _worker is None:
-            _worker = _Worker()
+        worker = _workers.get(queue)
+        if worker is None:
+            worker = _workers[queue] = _Worker()
             before_shutdown(drain)
             # A script that ends without minidist.shutdown() (or ends with torch's own
             # destroy_process_group) may leave a transfer in flight, e.g. stages 1-2's gathers after
             # the last step: the interpreter's exit under it aborts the process in gloo.
             atexit.register(drain)
-        if not async_op and _worker.pending == 0:
+        if not async_op and worker.pending == 0:
             fn()
             return None
-        work = _worker.submit(fn)
+        work = worker.submit(fn)
     if async_op:
         return work
     work.wait()
@@ -121,8 +123,9 @@ def run(fn, async_op: bool, label: str = "ring") -> RingWork | None:
 
 
 def drain() -> None:
-    """Return once every ring call issued so far has finished (minidist.shutdown() calls it)."""
-    run(lambda: None, async_op=False)  # queued behind them all, or inline when nothing is queued
+    """Return once every call issued so far has finished (minidist.shutdown() calls it)."""
+    for queue in list(_workers):
+        run(lambda: None, async_op=False, queue=queue)  # queued behind them all, or inline when nothing is queued
 
 
 def _global(group, k: int) -> int:

@@ -216,6 +216,7 @@ class Bucket:
     views: list[torch.Tensor]
     process_group: object = None
     world_size: int = 1
+    algorithm: str = "backend"           # how the built-in hooks' collective runs (comm.choose_algorithm)
     pending: int = 0                     # parameters not yet ready in this backward
     handle: object = field(default=None, repr=False)
 

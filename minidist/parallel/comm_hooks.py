@@ -22,7 +22,7 @@ from minidist.parallel.sharded_grad import ReplicaReduce
 
 def allreduce_hook(bucket: Bucket):
     """The default: one async all_reduce (sum) of the bucket in place."""
-    return comm.all_reduce(bucket.buffer, group=bucket.process_group, async_op=True)
+    return comm.all_reduce(bucket.buffer, group=bucket.process_group, async_op=True, algorithm=bucket.algorithm)
 
 
 class _CastBack:
@@ -41,7 +41,7 @@ def _compress_hook(dtype: torch.dtype):
         # Half the bytes on the wire; the price is the rounding of each rank's
         # (already averaged-by-n) gradient to `dtype` and of the sum itself.
         compressed = bucket.buffer.to(dtype)
-        handle = comm.all_reduce(compressed, group=bucket.process_group, async_op=True)
+        handle = comm.all_reduce(compressed, group=bucket.process_group, async_op=True, algorithm=bucket.algorithm)
         return _CastBack(handle, compressed, bucket)
     hook.__name__ = f"{str(dtype).replace('torch.', '')}_compress_hook"
     return hook

@@ -100,6 +100,8 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
             (minidist.comm.wire); not with a comm_hook.
         process_group: the group to reduce over (default: the world); or device_mesh, a 1-D
             torch DeviceMesh standing for its group.
+        collectives: how the built-in hooks' all_reduce runs (minidist.comm.choose_algorithm):
+            "auto" (shared memory where the group's ranks share a host), "shm", "backend", "ring".
 
     Native DDP's other arguments, as GPU scripts pass them (compat.py): device_ids and
     output_device, when they name the module's own device; dim, static_graph and
@@ -114,7 +116,7 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  comm_hook: Callable | str | None = None, process_group=None, init_sync: bool = True,
                  static_graph: bool = False, check_reduction: bool = False, device_mesh=None, grad_wire=None,
-                 quant_block: int = QUANT_BLOCK, **native_only):
+                 quant_block: int = QUANT_BLOCK, collectives: str = "auto", **native_only):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs a process group: call minidist.init_distributed() first")
@@ -133,6 +135,7 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.broadcast_buffers = broadcast_buffers
         self.comm_hook = resolve_hook(comm_hook, grad_wire, quant_block)
+        self.collectives = collectives
         self._cap_bytes = int(bucket_cap_mb * MiB)
         self._first_cap_bytes = int(first_bucket_mb * MiB)
         self._last_cap_bytes = None if last_bucket_mb is None else int(last_bucket_mb * MiB)
@@ -141,6 +144,8 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         self._hook_given = comm_hook is not None or grad_wire is not None
         self._overlap = overlap
         check_trainable(module)
+        # A bad choice fails here; "auto" and "shm" set up the group's shared memory now.
+        comm.choose_algorithm("all_reduce", process_group, collectives, device=next(module.parameters()).device)
         if init_sync:
             replicate_from_source(module, self.source_rank, process_group)
         self._attach(find_unused_parameters)
@@ -188,8 +193,11 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
                             self._closing)
 
     def _allocate_buckets(self, order: list[int]) -> list[Bucket]:
-        return [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
-                for k, ids in enumerate(self._plan(order))]
+        buckets = [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
+                   for k, ids in enumerate(self._plan(order))]
+        for bucket in buckets:
+            bucket.algorithm = self.collectives
+        return buckets
 
     def _adopt_gradients(self) -> None:
         """With gradient_as_bucket_view: keep gradients that exist, but let them live in the

@@ -55,7 +55,8 @@ class OursDDP(Strategy):
                              find_unused_parameters=bool(c.find_unused_parameters),
                              broadcast_buffers=bool(c.broadcast_buffers),
                              overlap=bool(c.overlap),
-                             comm_hook=self._comm_hook(), grad_wire=c.grad_wire, quant_block=int(c.quant_block))
+                             comm_hook=self._comm_hook(), grad_wire=c.grad_wire, quant_block=int(c.quant_block),
+                             collectives=str(c.collectives))
         return model, optim_cls(net.parameters(), **optim_kwargs)
 
     def _comm_hook(self):
@@ -65,7 +66,7 @@ class OursDDP(Strategy):
 
             mesh = build_mesh(self.cfg)
             self.shard_size = mesh.shard
-            return HierarchicalAllReduce(mesh, algorithm=str(self.cfg.get("collectives", "auto")))
+            return HierarchicalAllReduce(mesh, algorithm=str(self.cfg.collectives))
         return hook
 
     def memory_report(self):
@@ -151,7 +152,7 @@ class OursZero(ShardedModelState, Strategy):
 
 # -- the specs: what each strategy is, sends and holds (registry.py says how they are read)
 DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers",
-               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "grad_wire", "quant_block")
+               "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "grad_wire", "quant_block", "collectives")
 WIRES = (None, *FORMATS)  # what a wire option takes (minidist.comm.wire)
 FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd"),  # the two-level one is ddp_hierarchical
               "grad_wire": WIRES}
@@ -171,7 +172,7 @@ register(StrategySpec("ddp", "minidist", OursDDP, "minidist.DataParallel: bucket
 register(StrategySpec("ddp_hierarchical", "minidist", OursDDP, "DataParallel with the two-level all_reduce: "
                       "reduce_scatter in each shard group, all_reduce of 1/S across, all_gather within",
                       reference="native_ddp", hybrid=True, collectives=in_shard_groups(ZERO12),
-                      options=DDP_OPTIONS + ("shard_size", "collectives"),
+                      options=DDP_OPTIONS + ("shard_size",),
                       choices={"comm_hook": ("hierarchical",), "grad_wire": (None,)}))
 for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",

@@ -1,0 +1,281 @@
+"""Collectives through shared memory, for the ranks of a gloo group that share one host: each rank
+copies its piece into its slot of one segment per group, waits at a barrier, and reads what it
+needs straight from the others' slots. Memory bandwidth is the limit, not loopback TCP.
+
+    comm.all_reduce(t, algorithm="shm")    # or "auto": shm wherever every rank is on this host
+
+Sums run in rank order (((x0 + x1) + x2) + ...) on every rank alike: bitwise what gloo gives at
+2 ranks, deterministic beyond. The segment, the barrier and the failure rules: docs/internals.md,
+"comm/shm.py".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+import secrets
+import socket
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist.comm import ring
+
+SHM_DIR = Path(os.environ.get("MINIDIST_SHM_DIR", "/dev/shm"))
+PREFIX = "minidist-shm-"
+SLOT_BYTES = 2 << 20  # per rank and per set of slots: a larger collective goes through in pieces
+LINE = 64  # each rank's barrier count and piece descriptors on a cache line of their own
+SPINS = 200  # a barrier looks this often before it sleeps on the futex
+CHECK_S = 0.05  # a sleeping waiter wakes this often to see whether the rank it waits for still lives
+_SYS_FUTEX = {"x86_64": 202}.get(platform.machine())  # x86-64's stores are seen in order: no fences needed
+REDUCE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
+           dist.ReduceOp.MAX: torch.maximum, dist.ReduceOp.MIN: torch.minimum}
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex(word: ctypes.c_int64, op: int, value: int, seconds: float = 0.0) -> None:
+    """FUTEX_WAIT (op 0: sleep while the word's low half is `value`, at most `seconds`) or
+    FUTEX_WAKE (op 1: wake every sleeper). Shared, not private: the sleepers are other processes."""
+    ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(ctypes.addressof(word)), ctypes.c_int(op),
+                  ctypes.c_uint32(value & 0xFFFFFFFF), ctypes.byref(ts) if op == 0 else None, None, ctypes.c_int(0))
+
+
+def _alive(pid: int) -> bool:
+    """Is `pid` running (a zombie, killed but not yet reaped, is not)?"""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+class Channel:
+    """One group's segment: per rank a line [barriers passed, two piece descriptors], then two sets
+    of one slot per rank. Piece k uses set k % 2, so a rank may fill the next piece's slot while
+    the others still read this one; the barrier of piece k+1 proves they finished piece k."""
+
+    def __init__(self, mm: mmap.mmap, ranks: list[int], me: int, pids: list[int], timeout_s: float,
+                 slot_bytes: int):
+        self.mm, self.ranks, self.me, self.pids, self.timeout_s = mm, ranks, me, pids, timeout_s
+        self.slot_bytes = slot_bytes
+        self.lines = [(ctypes.c_int64 * 3).from_buffer(mm, LINE * q) for q in range(len(ranks))]
+        self.passed = 0
+        self.error: str | None = None
+
+    def next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The slots of the next piece, one per rank, as `dtype` (views made per piece: the segment
+        is not a tensor that lives on, so memory counts of live tensors leave it out)."""
+        n, size = len(self.ranks), self.slot_bytes
+        slots = torch.frombuffer(self.mm, dtype=torch.uint8, count=n * size,
+                                 offset=header_bytes(n) + (self.passed + 1) % 2 * n * size)
+        return [s.view(dtype) for s in slots.view(n, size)]
+
+    def barrier(self, what: str, descriptor: int) -> None:
+        """Arrive (this piece's slot filled), then wait for every rank: each must have arrived with
+        the same descriptor (the same collective and size), be alive, and arrive in time."""
+        if self.error:
+            raise RuntimeError(self.error)
+        self.passed += 1
+        mine = self.lines[self.me]
+        mine[1 + self.passed % 2] = descriptor  # before the count: whoever sees the count sees it
+        mine[0] = self.passed
+        _futex(mine, 1, 0x7FFFFFFF)  # wake every sleeper
+        deadline = time.monotonic() + self.timeout_s
+        for q, line in enumerate(self.lines):
+            spins = 0
+            while (seen := line[0]) < self.passed:
+                spins += 1
+                if spins > SPINS:
+                    _futex(line, 0, seen, CHECK_S)
+                    if not _alive(self.pids[q]):
+                        self._fail(f"rank {self.ranks[q]} (pid {self.pids[q]}) exited during a shared-memory {what}")
+                    if time.monotonic() > deadline:
+                        self._fail(f"shared-memory {what}: rank {self.ranks[q]} did not arrive within "
+                                   f"{self.timeout_s:g} s (it is stuck or issued another collective)")
+            if line[1 + self.passed % 2] != descriptor:
+                self._fail(f"shared-memory {what} on rank {self.ranks[self.me]}, but rank {self.ranks[q]} issued a "
+                           "different collective or size: every rank must issue the same collectives in order")
+
+    def _fail(self, message: str):
+        self.error = message  # the segment's state is unknown now: every later call fails alike
+        raise RuntimeError(message)
+
+
+def header_bytes(n: int) -> int:
+    return -(-LINE * n // 4096) * 4096  # the slots start page-aligned: any dtype views them
+
+
+_channels: dict = {}  # group (None: the world) -> Channel, or None where shm cannot run
+_warned = False
+
+
+def _host() -> str:
+    """What two ranks on the same host (and the same /dev/shm) share, and emulated hosts (network
+    namespaces: scripts/lib/netns.sh) do not."""
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    shm_dev = os.stat(SHM_DIR).st_dev if SHM_DIR.is_dir() else -1
+    return f"{socket.gethostname()}/{boot}/{os.stat('/proc/self/ns/net').st_ino}/{shm_dev}"
+
+
+def _remove_stale() -> None:
+    """Segments whose creator died before unlinking them (kill -9 within the set-up): never one whose
+    creator lives, so another run's set-up is never touched."""
+    for path in SHM_DIR.glob(f"{PREFIX}*"):
+        try:
+            if path.stat().st_uid == os.getuid() and not _alive(int(path.name[len(PREFIX):].split("-")[0])):
+                path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def _timeout_s(group) -> float:
+    try:
+        return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return 1800.0  # torch's default for gloo
+
+
+def _open(group) -> Channel | str:
+    """Set up `group`'s segment (every rank of the group calls this at the same collective): the
+    Channel, or why there is none. The file is unlinked as soon as every rank has mapped it, so
+    nothing stays in /dev/shm whatever happens to the ranks later."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    size = header_bytes(n) + 2 * n * SLOT_BYTES
+    path, problem = None, None
+    if me == 0:
+        try:
+            _remove_stale()
+            path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)  # room now, or ENOSPC now: never SIGBUS mid-collective
+            finally:
+                os.close(fd)
+        except OSError as e:
+            problem = f"{SHM_DIR}: {e.strerror or e}"
+    infos = [None] * n
+    dist.all_gather_object(infos, (_host(), os.getpid(), str(path) if path else None, problem), group=group)
+    problem = infos[0][3] or (None if len({i[0] for i in infos}) == 1 else "the ranks are on different hosts")
+    mm = None
+    if problem is None:
+        try:
+            with open(infos[0][2], "r+b") as f:
+                mm = mmap.mmap(f.fileno(), size)
+        except OSError as e:
+            problem = f"{infos[0][2]}: {e.strerror or e}"
+    problems = [None] * n
+    dist.all_gather_object(problems, problem, group=group)
+    if path is not None and path.exists():
+        path.unlink()
+    problem = next((p for p in problems if p), None)
+    if problem is not None:
+        return problem
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    return Channel(mm, ranks, me, [i[1] for i in infos], _timeout_s(group), SLOT_BYTES)
+
+
+def channel(group, requested: str) -> Channel | None:
+    """`group`'s channel, set up at its first use (a collective of the group), or None: the group is
+    not gloo's, has one rank, or its ranks cannot share memory (then one line says why, where
+    shm was asked for by name or /dev/shm let us down)."""
+    global _warned
+    key = group if group is not None else dist.group.WORLD
+    if key not in _channels:
+        if _SYS_FUTEX is None or dist.get_backend(group) != "gloo" or dist.get_world_size(group) == 1:
+            _channels[key] = None
+        else:
+            got = _open(group)
+            _channels[key] = got if isinstance(got, Channel) else None
+            if not isinstance(got, Channel) and dist.get_rank(group) == 0 and not _warned and (
+                    requested == "shm" or "different hosts" not in got):
+                _warned = True
+                print(f"minidist: shared-memory collectives unavailable ({got}): using gloo", flush=True)
+    return _channels[key]
+
+
+def _descriptor(op: str, *shape) -> int:
+    return zlib.crc32(repr((op, *shape)).encode())
+
+
+def _pieces(numel: int, per: int):
+    for a in range(0, numel, per):
+        yield a, min(a + per, numel)
+
+
+def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op) -> None:
+    """out = ((parts[0] op parts[1]) op parts[2]) ...: the same order on every rank."""
+    fn = REDUCE[op]
+    fn(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        fn(out, p, out=out)
+
+
+def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
+    desc = _descriptor("all_reduce", flat.numel(), flat.dtype, op)
+    for a, b in _pieces(flat.numel(), ch.slot_bytes // flat.element_size()):
+        slots = [s[:b - a] for s in ch.next_slots(flat.dtype)]
+        slots[ch.me].copy_(flat[a:b])
+        ch.barrier("all_reduce", desc)
+        _reduce_into(flat[a:b], slots, op)
+
+
+def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+    n, m = len(ch.ranks), out.numel()
+    rows, desc = inp.view(n, m), _descriptor("reduce_scatter", m, out.dtype, op)
+    for a, b in _pieces(m, ch.slot_bytes // out.element_size() // n):
+        slots = [s[:n * (b - a)].view(n, b - a) for s in ch.next_slots(out.dtype)]
+        slots[ch.me].copy_(rows[:, a:b])
+        ch.barrier("reduce_scatter", desc)
+        _reduce_into(out[a:b], [s[ch.me] for s in slots], op)
+
+
+def _all_gather(ch: Channel, out: torch.Tensor, inp: torch.Tensor) -> None:
+    n, m = len(ch.ranks), inp.numel()
+    rows, desc = out.view(n, m), _descriptor("all_gather", m, inp.dtype)
+    for a, b in _pieces(m, ch.slot_bytes // inp.element_size()):
+        slots = [s[:b - a] for s in ch.next_slots(inp.dtype)]
+        slots[ch.me].copy_(inp[a:b])
+        ch.barrier("all_gather", desc)
+        for q in range(n):
+            rows[q, a:b].copy_(inp[a:b] if q == ch.me else slots[q])
+
+
+def _broadcast(ch: Channel, flat: torch.Tensor, src: int) -> None:
+    desc = _descriptor("broadcast", flat.numel(), flat.dtype, src)
+    for a, b in _pieces(flat.numel(), ch.slot_bytes // flat.element_size()):
+        slot = ch.next_slots(flat.dtype)[src][:b - a]
+        if ch.me == src:
+            slot.copy_(flat[a:b])
+        ch.barrier("broadcast", desc)
+        if ch.me != src:
+            flat[a:b].copy_(slot)
+
+
+def run(op: str, group, async_op: bool, *tensors, arg=None):
+    """Run collective `op` ("all_reduce", "reduce_scatter", "all_gather", "broadcast") on `group`'s
+    channel (set up already: channel()), in issue order on the group's own worker (ring.run): in
+    place where the tensors are contiguous, else through a contiguous copy written back at the
+    end. `arg`: the ReduceOp, or broadcast's source as a rank of the group."""
+    ch = _channels[group if group is not None else dist.group.WORLD]
+    flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+    def job():
+        body = {"all_reduce": lambda: _all_reduce(ch, flats[0].view(-1), arg),
+                "reduce_scatter": lambda: _reduce_scatter(ch, flats[0].view(-1), flats[1].view(-1), arg),
+                "all_gather": lambda: _all_gather(ch, flats[0].view(-1), flats[1].view(-1)),
+                "broadcast": lambda: _broadcast(ch, flats[0].view(-1), arg)}[op]
+        body()
+        if flats[0] is not tensors[0]:
+            tensors[0].copy_(flats[0])
+    return ring.run(job, async_op, f"shm:{op}", queue=ch)
+
+
