@@ -73,11 +73,14 @@ if [ "$status" != 0 ]; then
 fi
 takes_mesh() { "$PYTHON" -c "import sys; from minidist.train.strategies import spec
 print(' '.join(s for s in sys.argv[2:] if ('shard_size' in spec(s).options) == (sys.argv[1] == 'yes')))" "$@"; }
+# The single-host runs reduce as the emulated hosts' flat groups do, through gloo (and our ring),
+# not through shared memory (which sums in another order): no /dev/shm for them.
+single_host() { MINIDIST_SHM_DIR=/nonexistent "$@"; }
 single_sweep() {  # single_sweep DIR STRATEGIES... [overrides after --]
     local dir=$1; shift
     local names=(); while [ "$1" != -- ]; do names+=("$1"); shift; done; shift
     [ ${#names[@]} = 0 ] && return 0
-    timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
+    single_host timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
         --nproc_per_node $((HOSTS * NPROC_PER_HOST)) recipes/train.py -m "strategy=$(list "${names[@]}")" "$@" \
         "${common[@]}" "hydra.sweep.dir=$OUT/$dir" > "$OUT/$dir.log" 2>&1 \
         || { tail -n 20 "$OUT/$dir.log" >&2; die "the single-host sweep failed: $OUT/$dir.log"; }
@@ -87,7 +90,7 @@ FLAT_TWINS=$(takes_mesh no $TWINS)
 single_sweep single $FLAT_TWINS --
 single_sweep single_mesh $MESH_TWINS -- "strategy.shard_size=$NPROC_PER_HOST"
 if [ "$TOLERANCE" = auto ]; then  # REFERENCE again, every sum in another order (see the top)
-    timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
+    single_host timeout -k 10 "$TIMEOUT_S" "$PYTHON" -m torch.distributed.run --standalone \
         --nproc_per_node $((HOSTS * NPROC_PER_HOST)) recipes/train.py "strategy=$REFERENCE" \
         "++strategy.bucket_cap_mb=0.05" "${common[@]}" "hydra.run.dir=$OUT/reordered" > "$OUT/reordered.log" 2>&1 \
         || { tail -n 20 "$OUT/reordered.log" >&2; die "the reordered reference run failed: $OUT/reordered.log"; }
