@@ -68,15 +68,16 @@ class Channel:
         self.mm, self.ranks, self.me, self.pids, self.timeout_s = mm, ranks, me, pids, timeout_s
         self.slot_bytes = slot_bytes
         self.lines = [(ctypes.c_int64 * 3).from_buffer(mm, LINE * q) for q in range(len(ranks))]
-        self.passed = 0
+        self.passed = self.pieces = 0  # barriers passed, pieces begun
         self.error: str | None = None
 
     def next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The slots of the next piece, one per rank, as `dtype` (views made per piece: the segment
         is not a tensor that lives on, so memory counts of live tensors leave it out)."""
         n, size = len(self.ranks), self.slot_bytes
+        self.pieces += 1
         slots = torch.frombuffer(self.mm, dtype=torch.uint8, count=n * size,
-                                 offset=header_bytes(n) + (self.passed + 1) % 2 * n * size)
+                                 offset=header_bytes(n) + self.pieces % 2 * n * size)
         return [s.view(dtype) for s in slots.view(n, size)]
 
     def barrier(self, what: str, descriptor: int) -> None:
@@ -220,12 +221,25 @@ def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op) -> None:
 
 
 def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
-    desc = _descriptor("all_reduce", flat.numel(), flat.dtype, op)
+    """At 2 ranks each sums the whole piece (fewer bytes than a reduce_scatter and an all_gather,
+    one barrier); beyond, rank r sums chunk r of it, publishes that, and copies the others' chunks
+    (every rank reading every slot whole would cost n times the bytes)."""
+    n, desc = len(ch.ranks), _descriptor("all_reduce", flat.numel(), flat.dtype, op)
     for a, b in _pieces(flat.numel(), ch.slot_bytes // flat.element_size()):
-        slots = [s[:b - a] for s in ch.next_slots(flat.dtype)]
-        slots[ch.me].copy_(flat[a:b])
+        piece, slots = flat[a:b], [s[:b - a] for s in ch.next_slots(flat.dtype)]
+        slots[ch.me].copy_(piece)
         ch.barrier("all_reduce", desc)
-        _reduce_into(flat[a:b], slots, op)
+        if n == 2:
+            _reduce_into(piece, slots, op)
+            continue
+        c = -(-(b - a) // n)
+        chunk = [slice(min(q * c, b - a), min((q + 1) * c, b - a)) for q in range(n)]
+        _reduce_into(piece[chunk[ch.me]], [s[chunk[ch.me]] for s in slots], op)
+        slots[ch.me][chunk[ch.me]].copy_(piece[chunk[ch.me]])
+        ch.barrier("all_reduce", desc)
+        for q in range(n):
+            if q != ch.me:
+                piece[chunk[q]].copy_(slots[q][chunk[q]])
 
 
 def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> None:
