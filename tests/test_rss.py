@@ -42,28 +42,32 @@ def test_every_zero_stage_within_the_formula(strategy):
 def test_ranks_minidist_starts_give_freed_large_blocks_back(monkeypatch):
     """glibc alone kept hundreds of MiB of 16 freed 32 MiB gathers (docs/trainer.md, "Memory"); the
     ranks run_local starts keep none of them."""
-    from minidist.train.app import MMAP_THRESHOLD_BYTES, run_local
+    from minidist.train.app import MALLOC_ENV, run_local
 
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
     for kept, threshold in run_local(gathers_kept, nproc=2, args=(16, 32)).values():
-        assert threshold == str(MMAP_THRESHOLD_BYTES)
+        assert threshold == str(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])
         assert kept <= 8 * 2**20, kept / 2**20
 
 
 @pytest.mark.parametrize("users", [None, "65536"])
 def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeypatch, users):
     """What the ranks' environment holds when run_local starts them (the launch itself replaced), and
-    that this process's environment is left as it was."""
+    that this process's environment is left as it was. The trim threshold comes with ours (a fixed
+    mmap threshold switches off glibc's own); a user's threshold leaves the allocator to them."""
     import torch.distributed.launcher.api as launcher
-    from minidist.train.app import MMAP_THRESHOLD_BYTES, run_local
+    from minidist.train.app import MALLOC_ENV, run_local
 
     seen = {}
     monkeypatch.setattr(launcher, "elastic_launch", lambda config, entrypoint: lambda *args: seen.update(
-        threshold=os.environ.get("MALLOC_MMAP_THRESHOLD_")) or {0: None})
+        {k: os.environ.get(k) for k in MALLOC_ENV}) or {0: None})
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     if users is None:
         monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     else:
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", users)
     run_local(print, nproc=2)
-    assert seen["threshold"] == (users or str(MMAP_THRESHOLD_BYTES))
-    assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == users
+    assert seen == ({k: str(v) for k, v in MALLOC_ENV.items()} if users is None else
+                    {"MALLOC_MMAP_THRESHOLD_": users, "MALLOC_TRIM_THRESHOLD_": None})
+    assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == users and "MALLOC_TRIM_THRESHOLD_" not in os.environ

@@ -252,7 +252,7 @@ def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> No
         _reduce_into(out[a:b], [s[ch.me] for s in slots], op)
 
 
-def _all_gather(ch: Channel, out: torch.Tensor, inp: torch.Tensor) -> None:
+def _all_gather(ch: Channel, out: torch.Tensor, inp: torch.Tensor, _=None) -> None:
     n, m = len(ch.ranks), inp.numel()
     rows, desc = out.view(n, m), _descriptor("all_gather", m, inp.dtype)
     for a, b in _pieces(m, ch.slot_bytes // inp.element_size()):
@@ -283,13 +283,10 @@ def run(op: str, group, async_op: bool, *tensors, arg=None):
     flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
     def job():
-        body = {"all_reduce": lambda: _all_reduce(ch, flats[0].view(-1), arg),
-                "reduce_scatter": lambda: _reduce_scatter(ch, flats[0].view(-1), flats[1].view(-1), arg),
-                "all_gather": lambda: _all_gather(ch, flats[0].view(-1), flats[1].view(-1)),
-                "broadcast": lambda: _broadcast(ch, flats[0].view(-1), arg)}[op]
-        body()
+        _OPS[op](ch, *(f.view(-1) for f in flats), arg)
         if flats[0] is not tensors[0]:
             tensors[0].copy_(flats[0])
     return ring.run(job, async_op, f"shm:{op}", queue=ch)
 
 
+_OPS = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter, "all_gather": _all_gather, "broadcast": _broadcast}

@@ -75,8 +75,8 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         reshard_after_forward: stage 3, as FSDP2's: False keeps each unit gathered from its forward
             to its backward (one gather a step instead of two); stages 1-2 refuse True.
         collectives: how reduce_scatter and all_gather run: "backend" (torch.distributed's), "ring"
-            (minidist.comm.ring, from send/recv; gloo only) or "auto" (the ring where it measurably
-            wins: minidist.comm.choose_algorithm).
+            (from send/recv; gloo only), "shm" (shared memory, ranks on one host) or "auto" (shm
+            where it can run, else the ring where it measurably wins: minidist.comm.choose_algorithm).
         grad_wire, param_wire, quant_block: what the gradients and the gathered parameters travel as
             (None, "bf16", "fp16", "int8" with one fp32 scale per quant_block: ZeRO++'s qgZ and
             qwZ), summed in full precision; the fp32 master shards are never rounded (docs/api.md).

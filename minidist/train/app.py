@@ -45,9 +45,11 @@ FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 # glibc serves a freed block's size from its heap from then on (up to 32 MiB) and keeps freed heap
 # memory resident, so a rank that once freed a 32 MiB tensor keeps its pages. Ranks started here
-# take blocks of this size and more straight from the system and give them back on free; a
-# MALLOC_MMAP_THRESHOLD_ already set is kept (docs/trainer.md, "Memory").
-MMAP_THRESHOLD_BYTES = 8 << 20
+# take blocks of this size and more straight from the system and give them back on free. A fixed
+# threshold also switches off glibc's rule that keeps twice as much free at the heap's top: without
+# it every smaller temporary (an optimizer's) was given back and faulted in again, each step
+# (1.5x the step of a communication-bound MLP). A user's values are kept (docs/trainer.md, "Memory").
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 << 20}
 
 
 def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
@@ -74,14 +76,14 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # A stop signal: the ranks' own line says what happened ("Received 15 death signal" would not).
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-    ours = "MALLOC_MMAP_THRESHOLD_" not in os.environ
-    if ours:  # for the ranks only (they inherit it); this process keeps what it started with
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
+    # For the ranks only (they inherit them); a user who set either has the allocator as they chose.
+    ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
+    os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
     try:
         return elastic_launch(config, entrypoint=fn)(*args)
     finally:
-        if ours:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        for k in ours:  # this process keeps what it started with
+            os.environ.pop(k, None)
 
 
 class RanksFailed(RuntimeError):
