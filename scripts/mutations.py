@@ -130,6 +130,11 @@ MUTATIONS = [
     Mutation("meta_init_replayed_in_unit_order", "a meta-built model gets the values of initialising it whole",
              "minidist/parallel/meta_init.py", "                    self.generator.set_state(state)\n",
              "", ("tests/test_meta_init.py",)),
+    Mutation("shm_wakes_nobody", "a rank asleep at a shared-memory barrier is woken by the last arrival",
+             "minidist/comm/shm.py", "_futex(mine, 1, 0x7FFFFFFF)", "_futex(mine, 1, 0)", ("tests/test_shm.py",)),
+    Mutation("shm_sum_in_arrival_order", "shared-memory sums run in rank order on every rank",
+             "minidist/comm/shm.py", "    fn(parts[0], parts[1], out=out)\n    for p in parts[2:]:",
+             "    fn(parts[-1], parts[0], out=out)\n    for p in parts[1:-1]:", ("tests/test_shm.py",)),
 ]
 
 

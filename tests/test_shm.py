@@ -124,12 +124,15 @@ def _pair(tmp_path: Path, timeout_s: float = 5.0):
 
 
 def _child(mm, body) -> int:
+    """Run body() in a forked child; it exits 1 if body raised."""
     pid = os.fork()
     if pid == 0:
+        code = 1
         try:
             body()
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     return pid
 
 
@@ -208,19 +211,28 @@ def test_a_full_dev_shm_falls_back_to_gloo(ranks):
             subprocess.run(["umount", d], check=True)
 
 
-def test_a_sleeping_waiter_is_woken_by_the_arrival(tmp_path, monkeypatch):
-    """A waiter past its spins sleeps on the futex; the arrival must wake it, not its timed check."""
+def test_every_sleeping_waiter_is_woken_by_the_arrival(tmp_path, monkeypatch):
+    """Ranks 0 and 1 sleep on rank 2's word (past their spins); rank 2's arrival must wake both at
+    once, not one (FUTEX_WAKE's count), the other left to its timed check."""
     monkeypatch.setattr(shm, "SPINS", 0)
-    monkeypatch.setattr(shm, "CHECK_S", 30.0)
-    mm, channel = _pair(tmp_path)
-    me = os.getpid()
+    monkeypatch.setattr(shm, "CHECK_S", 6.0)
+    size = shm.header_bytes(3) + 2 * 3 * SLOT
+    (tmp_path / "segment").write_bytes(b"\0" * size)
+    mm = mmap.mmap(os.open(tmp_path / "segment", os.O_RDWR), size)
+    pids = [os.getpid(), 0, 0]
 
-    def rank1():
-        time.sleep(0.3)  # long enough for rank 0 to be asleep
-        shm.Channel(mm, [0, 1], 1, [me, os.getpid()], 5.0, SLOT).barrier("test", 7)
+    def rank(r, delay):
+        def body():
+            time.sleep(delay)
+            began = time.monotonic()
+            shm.Channel(mm, [0, 1, 2], r, pids, 30.0, SLOT).barrier("test", 7)
+            os._exit(0 if time.monotonic() - began < 5.0 else 1)
+        return body
 
-    pid = _child(mm, rank1)
+    pids[2] = _child(mm, rank(2, 0.5))  # long enough for ranks 0 and 1 to be asleep
+    pids[1] = _child(mm, rank(1, 0.0))  # (forked last: it knows every pid, as it checks they live)
     began = time.monotonic()
-    channel([me, pid]).barrier("test", 7)
-    os.waitpid(pid, 0)
-    assert time.monotonic() - began < 5.0
+    shm.Channel(mm, [0, 1, 2], 0, pids, 30.0, SLOT).barrier("test", 7)
+    took = time.monotonic() - began
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids[1:]] == [0, 0]
+    assert took < 5.0
