@@ -173,6 +173,11 @@ def test_only_a_lost_or_late_peer_is_called_a_stalled_rank():
     assert "did not complete on this rank" in str(collective_failure(late, [], 3, "ddp", 4))
     assert "did not complete on this rank" in str(collective_failure(gone, [], 3, "ddp", 4))
     assert collective_failure(other, [], 3, "ddp", 4) is None  # raised as it is, not relabelled
+    for shm_error in ("shared-memory all_reduce timed out: rank 1 did not arrive within 4 s (it is stuck ...)",
+                      "shared-memory all_reduce: peer rank 1 (pid 7) exited mid-collective"):
+        assert "did not complete on this rank" in str(collective_failure(RuntimeError(shm_error), [], 3, "ddp", 4))
+    mismatch = RuntimeError("shared-memory all_reduce on rank 0, but rank 1 issued a different collective or size")
+    assert collective_failure(mismatch, [], 3, "ddp", 4) is None
     assert collective_failure(ValueError("nccl: invalid argument"), [], 3, "ddp", 4) is None
 
 

@@ -98,9 +98,10 @@ class Channel:
                 if spins > SPINS:
                     _futex(line, 0, seen, CHECK_S)
                     if not _alive(self.pids[q]):
-                        self._fail(f"rank {self.ranks[q]} (pid {self.pids[q]}) exited during a shared-memory {what}")
+                        self._fail(f"shared-memory {what}: peer rank {self.ranks[q]} (pid {self.pids[q]}) exited "
+                                   "mid-collective")
                     if time.monotonic() > deadline:
-                        self._fail(f"shared-memory {what}: rank {self.ranks[q]} did not arrive within "
+                        self._fail(f"shared-memory {what} timed out: rank {self.ranks[q]} did not arrive within "
                                    f"{self.timeout_s:g} s (it is stuck or issued another collective)")
             if line[1 + self.passed % 2] != descriptor:
                 self._fail(f"shared-memory {what} on rank {self.ranks[self.me]}, but rank {self.ranks[q]} issued a "
