@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
@@ -128,6 +129,15 @@ def launch_rank(env: Mapping[str, str] | None = None) -> int:
     for a lone process), known before any process group exists: the one rule for "am I rank 0"
     before init_distributed (after it: ctx.rank, is_main())."""
     return detect_launch(env).rank
+
+
+def process_alive(pid) -> bool:
+    """Is process `pid` (an int or its digits) running on this host? A zombie (exited, not yet
+    reaped by its parent) is not: a rank killed a moment ago is dead to its peers at once."""
+    try:
+        return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError, ValueError, TypeError):
+        return False
 
 
 def free_port() -> int:

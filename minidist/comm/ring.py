@@ -153,7 +153,7 @@ def exchange_all(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor],
         work.wait()
 
 
-def _pieces(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, int]]:
+def piece_bounds(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, int]]:
     step = max(1, piece_bytes // element_size)
     return [(a, min(a + step, numel)) for a in range(0, numel, step)]
 
@@ -191,7 +191,7 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, piece_byte
             total.add_(got[(r + k) % n])
         output.view(-1).copy_(total)
         return
-    pieces = _pieces(m, input.element_size(), piece_bytes)
+    pieces = piece_bounds(m, input.element_size(), piece_bytes)
     # Two scratch chunks take turns: one is being sent while the other receives. Step 0
     # sends this rank's own piece straight from the input (which is never written).
     scratch = [torch.empty(m, dtype=input.dtype, device=input.device) for _ in range(min(2, n - 1))]
@@ -218,7 +218,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, piece_bytes: i
         others = [q for q in range(n) if q != r]
         exchange_all({q: chunks[r] for q in others}, {q: chunks[q] for q in others}, group)
         return
-    pieces = _pieces(m, input.element_size(), piece_bytes)
+    pieces = piece_bounds(m, input.element_size(), piece_bytes)
     for s in range(n - 1):
         _exchange(chunks[(r - s) % n], chunks[(r - s - 1) % n], nxt, prv, group, pieces)
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.comm import ring
+from minidist.dist import process_alive
 
 SHM_DIR = Path(os.environ.get("MINIDIST_SHM_DIR", "/dev/shm"))
 PREFIX = "minidist-shm-"
@@ -48,14 +49,6 @@ def _futex(word: ctypes.c_int64, op: int, value: int, seconds: float = 0.0) -> N
     ts = _Timespec(int(seconds), int(seconds % 1 * 1e9))
     _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(ctypes.addressof(word)), ctypes.c_int(op),
                   ctypes.c_uint32(value & 0xFFFFFFFF), ctypes.byref(ts) if op == 0 else None, None, ctypes.c_int(0))
-
-
-def _alive(pid: int) -> bool:
-    """Is `pid` running (a zombie, killed but not yet reaped, is not)?"""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
-    except (OSError, IndexError):
-        return False
 
 
 class Channel:
@@ -97,7 +90,7 @@ class Channel:
                 spins += 1
                 if spins > SPINS:
                     _futex(line, 0, seen, CHECK_S)
-                    if not _alive(self.pids[q]):
+                    if not process_alive(self.pids[q]):
                         self._fail(f"shared-memory {what}: peer rank {self.ranks[q]} (pid {self.pids[q]}) exited "
                                    "mid-collective")
                     if time.monotonic() > deadline:
@@ -133,7 +126,7 @@ def _remove_stale() -> None:
     creator lives, so another run's set-up is never touched."""
     for path in SHM_DIR.glob(f"{PREFIX}*"):
         try:
-            if path.stat().st_uid == os.getuid() and not _alive(int(path.name[len(PREFIX):].split("-")[0])):
+            if path.stat().st_uid == os.getuid() and not process_alive(path.name[len(PREFIX):].split("-")[0]):
                 path.unlink()
         except (OSError, ValueError):
             pass
@@ -208,11 +201,6 @@ def _descriptor(op: str, *shape) -> int:
     return zlib.crc32(repr((op, *shape)).encode())
 
 
-def _pieces(numel: int, per: int):
-    for a in range(0, numel, per):
-        yield a, min(a + per, numel)
-
-
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op) -> None:
     """out = ((parts[0] op parts[1]) op parts[2]) ...: the same order on every rank."""
     fn = REDUCE[op]
@@ -226,7 +214,7 @@ def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
     one barrier); beyond, rank r sums chunk r of it, publishes that, and copies the others' chunks
     (every rank reading every slot whole would cost n times the bytes)."""
     n, desc = len(ch.ranks), _descriptor("all_reduce", flat.numel(), flat.dtype, op)
-    for a, b in _pieces(flat.numel(), ch.slot_bytes // flat.element_size()):
+    for a, b in ring.piece_bounds(flat.numel(), flat.element_size(), ch.slot_bytes):
         piece, slots = flat[a:b], [s[:b - a] for s in ch.next_slots(flat.dtype)]
         slots[ch.me].copy_(piece)
         ch.barrier("all_reduce", desc)
@@ -246,7 +234,7 @@ def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
 def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> None:
     n, m = len(ch.ranks), out.numel()
     rows, desc = inp.view(n, m), _descriptor("reduce_scatter", m, out.dtype, op)
-    for a, b in _pieces(m, ch.slot_bytes // out.element_size() // n):
+    for a, b in ring.piece_bounds(m, out.element_size(), ch.slot_bytes // n):
         slots = [s[:n * (b - a)].view(n, b - a) for s in ch.next_slots(out.dtype)]
         slots[ch.me].copy_(rows[:, a:b])
         ch.barrier("reduce_scatter", desc)
@@ -256,7 +244,7 @@ def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> No
 def _all_gather(ch: Channel, out: torch.Tensor, inp: torch.Tensor, _=None) -> None:
     n, m = len(ch.ranks), inp.numel()
     rows, desc = out.view(n, m), _descriptor("all_gather", m, inp.dtype)
-    for a, b in _pieces(m, ch.slot_bytes // inp.element_size()):
+    for a, b in ring.piece_bounds(m, inp.element_size(), ch.slot_bytes):
         slots = [s[:b - a] for s in ch.next_slots(inp.dtype)]
         slots[ch.me].copy_(inp[a:b])
         ch.barrier("all_gather", desc)
@@ -266,7 +254,7 @@ def _all_gather(ch: Channel, out: torch.Tensor, inp: torch.Tensor, _=None) -> No
 
 def _broadcast(ch: Channel, flat: torch.Tensor, src: int) -> None:
     desc = _descriptor("broadcast", flat.numel(), flat.dtype, src)
-    for a, b in _pieces(flat.numel(), ch.slot_bytes // flat.element_size()):
+    for a, b in ring.piece_bounds(flat.numel(), flat.element_size(), ch.slot_bytes):
         slot = ch.next_slots(flat.dtype)[src][:b - a]
         if ch.me == src:
             slot.copy_(flat[a:b])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from minidist.dist import process_alive
 from minidist.train.config import ConfigError
 
 
@@ -116,14 +117,6 @@ def _describe(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {when}"
 
 
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
-        return False
-    return True
-
-
 @contextlib.contextmanager
 def run_directory_lock(run_dir: Path, folders: tuple[str, ...] = OWNED):
     """Hold `run_dir`'s lock for the duration; RunDirectoryInUse if another live run holds it.
@@ -148,7 +141,7 @@ def run_directory_lock(run_dir: Path, folders: tuple[str, ...] = OWNED):
                     f"the run directory {run_dir} is in use by another run ({_describe(_holder(path))}): wait "
                     "for it to end or stop it, or give this run its own hydra.run.dir") from None
             holder = _holder(path)  # no flock here: the recorded holder decides
-            if holder and (holder.get("host") != socket.gethostname() or _alive(holder.get("pid"))):
+            if holder and (holder.get("host") != socket.gethostname() or process_alive(holder.get("pid"))):
                 raise RunDirectoryInUse(
                     f"the run directory {run_dir} is recorded in use by {_describe(holder)} ({path}; this file "
                     "system takes no locks): if that run is gone, remove the file; else give this run its own "
