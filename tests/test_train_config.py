@@ -53,6 +53,8 @@ CASES = [
     (["strategy.comm_hook=hierarchical"], 4, r"strategy.comm_hook='hierarchical': strategy=ddp takes allreduce \| "
                                              r"fp16 \| bf16 \| powersgd; comm_hook=hierarchical is "
                                              r"strategy=ddp_hierarchical"),
+    (["strategy=zero2", "strategy.collectives=gloo"], 2, r"strategy.collectives='gloo': strategy=zero2 takes auto \| "
+                                                          r"backend \| ring \| shm"),
     (["strategy=native_ddp", "strategy.overlap=false"], 2, r"strategy.overlap=False: strategy=native_ddp takes "
                                                            r"True; overlap=False is strategy=ddp"),
 ]

@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from minidist.comm import ALGORITHMS
 from minidist.comm.wire import FORMATS
 from minidist.measure import measure
 from minidist.parallel.diloco import DiLoCo
@@ -155,14 +156,14 @@ DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_paramete
                "first_bucket_mb", "last_bucket_mb", "bucket_closing", "overlap", "comm_hook", "grad_wire", "quant_block", "collectives")
 WIRES = (None, *FORMATS)  # what a wire option takes (minidist.comm.wire)
 FLAT_HOOKS = {"comm_hook": ("allreduce", "fp16", "bf16", "powersgd"),  # the two-level one is ddp_hierarchical
-              "grad_wire": WIRES}
+              "grad_wire": WIRES, "collectives": ALGORITHMS}
 WIRE_OPTIONS = ("grad_wire", "param_wire", "quant_block")
 ZERO_OPTIONS = {1: ("bucket_cap_mb", "broadcast_buffers", "collectives", "find_unused_parameters") + WIRE_OPTIONS,
                 3: ("min_unit_params", "broadcast_buffers", "collectives") + WIRE_OPTIONS}  # stage 3: units, not buckets
 HPZ = ("secondary_shard",)  # flat stage 3 only: hybrid sharding gathers within the host already
 ZERO_OPTIONS[2] = ZERO_OPTIONS[1] + tuple(ACCUMULATE)
 ZERO_OPTIONS[3] += tuple(ACCUMULATE)
-ZERO_CHOICES = {1: {"grad_wire": WIRES, "param_wire": WIRES}}
+ZERO_CHOICES = {1: {"grad_wire": WIRES, "param_wire": WIRES, "collectives": ALGORITHMS}}
 ZERO_CHOICES[2] = ZERO_CHOICES[3] = {**ZERO_CHOICES[1], **ACCUMULATE}
 register(StrategySpec("single", "minidist", Single, "no wrapper, one rank: the reference the others must match",
                       collectives=(), single_rank=True))
@@ -173,7 +174,7 @@ register(StrategySpec("ddp_hierarchical", "minidist", OursDDP, "DataParallel wit
                       "reduce_scatter in each shard group, all_reduce of 1/S across, all_gather within",
                       reference="native_ddp", hybrid=True, collectives=in_shard_groups(ZERO12),
                       options=DDP_OPTIONS + ("shard_size",),
-                      choices={"comm_hook": ("hierarchical",), "grad_wire": (None,)}))
+                      choices={"comm_hook": ("hierarchical",), "grad_wire": (None,), "collectives": ALGORITHMS}))
 for _stage, _collectives in ((1, ZERO12), (2, ZERO12), (3, ZERO3)):
     register(StrategySpec(f"zero{_stage}", "minidist", OursZero, f"minidist.ShardedDataParallel stage {_stage}",
                           checkpoint="sharded", reference={1: "native_zero1", 2: "ds_zero2", 3: "native_fsdp"}[_stage],
