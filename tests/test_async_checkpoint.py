@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from minidist.train.async_checkpoint import copied_aside
+from minidist.train.async_checkpoint import Staging, unstaged
 from minidist.train.checkpoint import list_checkpoints
 from minidist.train.checkpoint_safety import describe_files, file_digest
 from minidist.train.checkpoint_safety import save_tensors
@@ -45,8 +45,14 @@ def test_background_checkpoints_equal_the_synchronous_ones_and_resume_exactly(ra
 
 @pytest.mark.slow(stand_in="test_train_recipe.py::test_a_kill_while_saving_leaves_no_checkpoint_that_looks_complete")
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path):
-    """Rank 1 SIGKILLs itself once its files of step 10 are written in the background, before
-    the commit: step 10 stays a .tmp folder; the next start removes it and resumes from step 5."""
+    """Rank 1 SIGKILLs itself once its writer process has written its files of step 10, before
+    the commit: step 10 stays a .tmp folder, no writer is left running (each dies with its rank);
+    the next start removes the folder and resumes from step 5."""
+    import psutil
+
+    writers = lambda: {p.pid for p in psutil.process_iter(["cmdline"])  # noqa: E731
+                       if "minidist.train.async_checkpoint" in (p.info["cmdline"] or [])}
+    before = writers()
     run_dir = tmp_path / "run"
     args = [PYTHON, str(RECIPE), "launcher.nproc=2",
             *tiny_overrides(*ASYNC, "debug.kill_rank=1", "debug.kill_at_step=10", "debug.kill_during=save",
@@ -55,6 +61,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode != 0, out.stderr[-2000:]
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000005"], out.stderr[-2000:]
+    assert writers() <= before
     again = subprocess.run([PYTHON, str(RECIPE), "launcher.nproc=2", *tiny_overrides(*ASYNC, f"hydra.run.dir={run_dir}")],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -63,20 +70,27 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert [c.name for c in list_checkpoints(run_dir)][-1] == "step_00000020"
 
 
-def test_the_copies_aside_are_reused_by_the_next_checkpoint_of_the_same_shapes():
-    live = {"model.pt": {"w": torch.randn(4, 3), "b": torch.randn(3)}, "meta.pt": {"step": 5}}
-    first = copied_aside(live, pinned=False)
-    assert all(first["model.pt"][k] is not live["model.pt"][k] for k in live["model.pt"])
-    live["model.pt"]["w"].add_(1.0)  # training goes on: the copy does not move
-    assert not torch.equal(first["model.pt"]["w"], live["model.pt"]["w"])
-    pointers = {k: first["model.pt"][k].data_ptr() for k in live["model.pt"]}
-    second = copied_aside({**live, "meta.pt": {"step": 10}}, pinned=False, reuse=first)
-    assert {k: second["model.pt"][k].data_ptr() for k in live["model.pt"]} == pointers  # the same memory
-    assert all(torch.equal(second["model.pt"][k], live["model.pt"][k]) for k in live["model.pt"])
-    assert second["meta.pt"] == {"step": 10}
-    grown = {"model.pt": {"w": torch.randn(5, 3), "b": torch.randn(3)}, "meta.pt": {"step": 15}}
-    third = copied_aside(grown, pinned=False, reuse=second)  # another shape: fresh memory, never a wrong copy
-    assert third["model.pt"]["w"].data_ptr() != pointers["w"] and torch.equal(third["model.pt"]["w"], grown["model.pt"]["w"])
+def test_the_state_is_staged_once_into_a_reused_buffer_and_the_writer_reads_it_back():
+    live = {"model.pt": {"w": torch.randn(4, 3), "b": torch.randn(3, dtype=torch.float64), "none": torch.empty(0, 2)},
+            "meta.pt": {"step": 5, "rng": (3, (1, 2), None), "shape": torch.Size([4, 3])}}
+    staging = Staging()
+    tensors, skeleton, fd = staging.stage(live)
+    assert fd is not None and os.fstat(fd).st_size == staging.size  # a new buffer, for the writer to map
+    before = {k: v.clone() for k, v in live["model.pt"].items()}
+    live["model.pt"]["w"].add_(1.0)  # training goes on: the staged copy does not move
+    back = unstaged(staging.buffer, tensors, skeleton)
+    assert all(torch.equal(back["model.pt"][k], before[k]) and back["model.pt"][k].dtype == before[k].dtype
+               for k in before)
+    assert back["meta.pt"] == live["meta.pt"] and isinstance(back["meta.pt"]["rng"], tuple)
+    address = back["model.pt"]["w"].data_ptr()
+    tensors, skeleton, fd = staging.stage({**live, "meta.pt": {"step": 10}})
+    assert fd is None  # the same sizes: the same buffer, copied into again
+    again = unstaged(staging.buffer, tensors, skeleton)
+    assert again["model.pt"]["w"].data_ptr() == address and torch.equal(again["model.pt"]["w"], live["model.pt"]["w"])
+    grown = {"model.pt": {"w": torch.randn(50, 3)}}
+    tensors, skeleton, fd = staging.stage(grown)  # more than fits: a fresh buffer, never a wrong copy
+    assert fd is not None and torch.equal(unstaged(staging.buffer, tensors, skeleton)["model.pt"]["w"], grown["model.pt"]["w"])
+    staging.close()
 
 
 def test_the_manifest_entry_hashed_while_writing_is_the_files(tmp_path):

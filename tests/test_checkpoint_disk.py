@@ -41,9 +41,12 @@ def train(run_dir, *overrides):
 
 
 @pytest.mark.slow(stand_in="test_checkpoint_safety.py::test_a_short_write_on_a_nearly_full_disk_is_reported_as_one")  # a real small disk, root only
-def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(small_disk):
+@pytest.mark.parametrize("way", ["sync", "async"])
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint(small_disk, way):
+    """Synchronous saves, and background ones (the writer process's OSError, the same line)."""
     run_dir = small_disk / "run"
-    out = train(run_dir)
+    way = [f"trainer.checkpoint_async={way == 'async'}"]
+    out = train(run_dir, *way)
     assert out.returncode == 1, out.stderr[-3000:]
     said = out.stderr.strip().splitlines()
     assert len(said) == 1, out.stderr[-3000:]  # the cause alone: no second "training failed" line after it
@@ -59,7 +62,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_the_previous_checkpoint
 
     # With space again, trainer.resume=auto continues from the checkpoint that was kept.
     subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
-    again = train(run_dir, "trainer.resume=auto")
+    again = train(run_dir, "trainer.resume=auto", *way)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {kept[-1]}" in again.stdout
     assert [c.name for c in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006"]

@@ -277,17 +277,20 @@ class FlatShard:
 
     # ----------------------------------------------------------------- checkpoint pieces
 
-    def owned_pieces(self, flat_values: torch.Tensor) -> dict[str, tuple[int, torch.Tensor]]:
+    def owned_pieces(self, flat_values: torch.Tensor, copy: bool = True) -> dict[str, tuple[int, torch.Tensor]]:
         """For each parameter overlapping this rank's slice: (start within the parameter, values).
 
-        `flat_values` is shard-sized (the master, or an optimizer state of the same shape).
+        `flat_values` is shard-sized (the master, or an optimizer state of the same shape). The
+        values are copies on the CPU; `copy=False`: views of it where it is on the CPU (for a
+        checkpoint, which copies them once where it writes or stages them).
         """
         pieces = {}
         for k, slot in enumerate(self.slots):
             a, b = self.owned_range(k, self.rank)
             if a < b:
                 at = slot.offset - self.lo  # where the parameter starts, relative to this rank's slice
-                pieces[slot.name] = (a, flat_values[at + a:at + b].detach().clone().cpu())
+                piece = flat_values[at + a:at + b].detach()
+                pieces[slot.name] = (a, piece.clone().cpu() if copy else piece.cpu())
         return pieces
 
     def fill_from_pieces(self, target: torch.Tensor, pieces: dict[str, list[tuple[int, torch.Tensor]]],

@@ -214,7 +214,7 @@ class ShardOptimizer:
 
     # ------------------------------------------------------------------ the sharded checkpoint
 
-    def owned_state(self) -> tuple[dict, dict]:
+    def owned_state(self, copy: bool = True) -> tuple[dict, dict]:
         """For sharded_state_dict: this rank's per-element state as per-parameter pieces
         ({key: {name: [(start, values)]}}), and each shard's per-step scalars, one dict per group."""
         optim: dict[str, dict[str, list]] = {}
@@ -224,7 +224,7 @@ class ShardOptimizer:
             states = [self.optimizer.state.get(piece, {}) for piece in pieces]
             ours = {slot.name for slot, g in zip(shard.slots, shard.groups) if self._ours(g)}
             for key in _per_element_keys(states, pieces):
-                for name, piece in shard.owned_pieces(_flat_state(shard, pieces, states, key)).items():
+                for name, piece in shard.owned_pieces(_flat_state(shard, pieces, states, key, copy), copy).items():
                     if name in ours:
                         optim.setdefault(key, {}).setdefault(name, []).append(piece)
             scalars[k] = [self._scalars(shard, g) for g in range(len(self.full_groups))]
@@ -405,8 +405,11 @@ def _per_element_keys(states: list[dict], pieces: list[torch.Tensor]) -> list[st
     return sorted({k for st, piece in zip(states, pieces) for k, v in st.items() if _elementwise(v, piece)})
 
 
-def _flat_state(shard, pieces: list[torch.Tensor], states: list[dict], key: str) -> torch.Tensor:
-    """One shard-sized tensor of state `key`, from the pieces that hold it (zeros elsewhere)."""
+def _flat_state(shard, pieces: list[torch.Tensor], states: list[dict], key: str, copy: bool = True) -> torch.Tensor:
+    """One shard-sized tensor of state `key`, from the pieces that hold it (zeros elsewhere);
+    `copy=False`: the state itself where one piece covers the shard (one group)."""
+    if not copy and len(pieces) == 1 and key in states[0] and shard.piece_bounds == [(0, shard.master.numel())]:
+        return states[0][key].view(-1)
     dtype = next((st[key].dtype for st in states if key in st), shard.master.dtype)
     flat = torch.zeros_like(shard.master, dtype=dtype)
     bounds = dict(zip(map(id, shard.pieces), shard.piece_bounds))

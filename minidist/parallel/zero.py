@@ -426,20 +426,21 @@ class ShardedDataParallel(ShardedJoin, GradientSyncSwitch, nn.Module):
         model.optimizer.load_state_dict(state)."""
         self._shard_optimizer_for(optimizer).optimizer.load_state_dict(state)
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, copy: bool = True) -> dict:
         """This rank's shards of the parameters and optimizer state, per parameter, with metadata.
 
         Each entry is (start offset within the flattened parameter, values), so shards
-        saved at one world size load at any other (see load_sharded_state_dict).
+        saved at one world size load at any other (see load_sharded_state_dict). `copy=False`:
+        the values are views of the live state where they can be (to be written at once).
         """
         self.wait_for_parameters()  # nothing of ours still in flight while the state is read
         params: dict[str, list] = {}
         for shard in self._shards:
-            for name, piece in shard.owned_pieces(shard.master).items():
+            for name, piece in shard.owned_pieces(shard.master, copy).items():
                 params.setdefault(name, []).append(piece)
         optim, scalars = {}, {}
         for shard_optimizer in self._shard_optimizers:  # their groups numbered in order, their names apart
-            own, own_scalars = shard_optimizer.owned_state()
+            own, own_scalars = shard_optimizer.owned_state(copy)
             for key, by_name in own.items():
                 optim.setdefault(key, {}).update(by_name)
             for k, per_group in own_scalars.items():

@@ -205,28 +205,41 @@ def commit_save(run_dir: Path, step: int, strategy, error: BaseException | None,
     manifest and renames the folder. A collective. `written`: this rank's files' manifest entries (write_files).
     A failure anywhere raises CheckpointWriteFailed on every rank, the partial folder removed."""
     final, tmp = checkpoint_folders(run_dir, step)
-    root, rank = final.parent, strategy.ctx.rank
     reports = comm.all_gather_object((error is not None, written))  # did any fail; what each wrote
-    failed = any(f for f, _ in reports)
-    if not failed and rank == 0:  # every rank's files are written
-        try:  # the manifest, last: what every file should be (checkpoint_safety.py), then the atomic rename
-            write_manifest(tmp, {name: entry for _, files in reports for name, entry in files.items()})
-            sync_to_disk(tmp, files=False)
-            if final.exists():  # the same step saved again (a resumed run)
-                set_aside_or_remove(final)
-            tmp.rename(final)
-            sync_to_disk(root, files=False)  # the rename itself survives a power loss
+    if not any(f for f, _ in reports) and strategy.ctx.rank == 0:  # every rank's files are written
+        try:
+            if note := finish_folder(tmp, final, {name: entry for _, files in reports for name, entry in files.items()}):
+                get_logger().info(note)
         except OSError as e:
             error = e
     if _any_rank(error is not None):
-        partial_bytes = folder_bytes(tmp) if tmp.is_dir() else 0
-        comm.barrier()  # every rank has measured the folder before it goes
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # the space it took, back
-        comm.barrier()
-        raise CheckpointWriteFailed(_describe_failure(error, run_dir, root, partial_bytes, step)) from error
+        fail_save(run_dir, step, strategy, error)
     comm.barrier()
     return final
+
+
+def finish_folder(tmp: Path, final: Path, entries: dict[str, dict]) -> str | None:
+    """Rank 0 (or its writer), once every rank's files are written: the manifest, last (what every
+    file should be: checkpoint_safety.py, from the writers' `entries`), then the atomic rename.
+    Returns a line to log where an unreadable checkpoint of the same step was set aside."""
+    write_manifest(tmp, entries)
+    sync_to_disk(tmp, files=False)
+    note = set_aside_or_remove(final) if final.exists() else None  # the same step saved again (a resumed run)
+    tmp.rename(final)
+    sync_to_disk(final.parent, files=False)  # the rename itself survives a power loss
+    return note
+
+
+def fail_save(run_dir: Path, step: int, strategy, error: BaseException | None):
+    """Every rank, once the save of `step` failed on any (`error`: this rank's, if its own): the
+    partial folder removed, its space back, and CheckpointWriteFailed raised alike. A collective."""
+    final, tmp = checkpoint_folders(run_dir, step)
+    partial_bytes = folder_bytes(tmp) if tmp.is_dir() else 0
+    comm.barrier()  # every rank has measured the folder (and finished with it) before it goes
+    if strategy.ctx.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    comm.barrier()
+    raise CheckpointWriteFailed(_describe_failure(error, run_dir, final.parent, partial_bytes, step)) from error
 
 
 def prune(run_dir: Path, keep_last: int, later: bool = False) -> list[Path]:
@@ -243,10 +256,11 @@ def prune(run_dir: Path, keep_last: int, later: bool = False) -> list[Path]:
     return doomed
 
 
-def set_aside_or_remove(old: Path) -> None:
+def set_aside_or_remove(old: Path) -> str | None:
     """Make room for a new checkpoint of the same step. A readable one is replaced; one that could
     not be read (resume=auto skipped it, so this run retraces its steps) is never deleted for that:
-    it is renamed aside (`step_XXXXXXXX.unreadable`, which no resume or pruning looks at), said so."""
+    it is renamed aside (`step_XXXXXXXX.unreadable`, which no resume or pruning looks at), and the
+    line that says so returned."""
     try:
         verify_checkpoint_files(old)
     except ConfigError as e:
@@ -256,10 +270,10 @@ def set_aside_or_remove(old: Path) -> None:
             n += 1
             aside = old.with_name(f"{old.name}.unreadable{n}")
         old.rename(aside)
-        get_logger().info(f"checkpoint {old.name} could not be read ({str(e)[:200]}); kept as {aside.name}, "
-                          f"and the new {old.name} written beside it")
-        return
+        return (f"checkpoint {old.name} could not be read ({str(e)[:200]}); kept as {aside.name}, "
+                f"and the new {old.name} written beside it")
     remove_checkpoint(old)
+    return None
 
 
 def remove_checkpoint(ckpt: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_map
 
 from minidist.parallel.flat_shard import assemble, full_parameters, merged_pieces
 from minidist.train.checkpoint_safety import load_tensors, save_tensors
@@ -34,7 +35,10 @@ def state_dict_layout(net: torch.nn.Module) -> dict:
 
 def write_files(directory: Path, files: dict[str, object]) -> dict[str, dict]:
     """What a layout's collect() gave, into `directory` (no communication: a background writer may).
-    Returns each file's manifest entry, hashed as it was written (checkpoint_safety.py)."""
+    Returns each file's manifest entry, hashed as it was written (checkpoint_safety.py). A view of
+    a larger tensor is copied first: torch.save would write all of what it views."""
+    files = tree_map(lambda x: x.clone() if torch.is_tensor(x) and x.untyped_storage().nbytes() > x.nbytes else x,
+                     files)
     return {name: save_tensors(payload, Path(directory) / name) for name, payload in files.items()}
 
 
@@ -85,7 +89,7 @@ class Sharded(Collected):
         return int(meta.get("shards", meta["world_size"]))
 
     def collect(self, strategy) -> dict[str, object]:
-        state = strategy.sharded_state_dict()  # a collective within the shard group: every rank calls it
+        state = strategy.sharded_state_dict()  # views of the live state, written or staged at once
         files = {}
         if strategy.writes_shard:  # one copy of each shard, whatever the number of replicas
             files[shard_path(Path(), state["rank"]).name] = state

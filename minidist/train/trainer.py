@@ -15,11 +15,13 @@ cannot tell, so their compute includes it) and compute (the rest).
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import datetime
 import math
 import resource
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -93,6 +95,7 @@ class StepRecord:
     comm: comm.CommTracer | None        # the step's collectives (None: the strategy's are not traced)
     comm_bytes: float | None            # bytes this rank sent (None: not traced)
     cross_host: tuple[float, int] | None  # (bytes, calls) that crossed hosts, on more than one host
+    writing: bool = False               # a background checkpoint was in flight during it
 
 
 class Trainer:
@@ -157,6 +160,7 @@ class Trainer:
             self._resume(Path(resume_from))
         self.checkpoints = None  # trainer.checkpoint_async: the background writer (async_checkpoint.py)
         self.sync_save_s = 0.0  # the synchronous saves' time: training blocked, all of it writing
+        self.step_seconds = {False: array.array("f"), True: array.array("f")}  # by: a write was in flight
         if t.get("checkpoint_async"):
             if (layout := layout_for(self.strategy)).collect is None:
                 self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s checkpoints are written by "
@@ -304,9 +308,14 @@ class Trainer:
 
     def _checkpoint_times(self) -> dict:
         """checkpoint/blocked_s (training time checkpoints took) and checkpoint/write_s (writing)."""
+        every = [*self.step_seconds[False], *self.step_seconds[True]]
+        steps = {"time/step_median_s": statistics.median(every)} if every else {}
+        if self.step_seconds[True]:  # the steps that ran beside a background write
+            steps["checkpoint/step_median_writing_s"] = statistics.median(self.step_seconds[True])
         if self.checkpoints is None:
-            return {"checkpoint/blocked_s": self.sync_save_s, "checkpoint/write_s": self.sync_save_s}
-        return {"checkpoint/blocked_s": self.checkpoints.blocked_s, "checkpoint/write_s": self.checkpoints.write_s}
+            return {"checkpoint/blocked_s": self.sync_save_s, "checkpoint/write_s": self.sync_save_s, **steps}
+        return {"checkpoint/blocked_s": self.checkpoints.blocked_s, "checkpoint/write_s": self.checkpoints.write_s,
+                **steps}
 
     def _resume(self, ckpt: Path) -> None:
         built = [{k: v for k, v in group.items() if k != "lr" and isinstance(v, (int, float, tuple))
@@ -365,6 +374,7 @@ class Trainer:
             if m is None:
                 continue
             self.step += 1
+            m.writing = self.checkpoints is not None and self.checkpoints.in_flight
             self.host_traffic.after_step(self.step, start, end, settle=lambda: settle(self.model))
             if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m.cross_host)
@@ -575,6 +585,8 @@ class Trainer:
         loss = torch.stack([h.loss for h in history]).mean().reshape(1)
         comm.all_reduce(loss)
         steps = [h.span.seconds() for h in history]  # on CUDA: waits for the last step's end event
+        for h, seconds in zip(history, steps):  # every step's, for the run's medians (summary.json)
+            self.step_seconds[h.writing].append(seconds)
         comms = [h.comm.blocked_s if h.comm is not None else 0.0 for h in history]
         step_s = comm.max_over_ranks(sum(steps) / n)  # as long as its slowest rank
         samples_s = self.global_batch / step_s
@@ -606,6 +618,8 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        if getattr(self, "checkpoints", None) is not None:
+            self.checkpoints.close()
         if getattr(self, "live", None) is not None:
             self.live.close()
         if getattr(self, "peer_watch", None) is not None:

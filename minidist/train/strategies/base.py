@@ -107,8 +107,9 @@ class Strategy:
         return norm
 
     def full_state_dict(self) -> dict:
-        """The plain state_dict of the bare model on rank 0 ({} elsewhere). A collective."""
-        return {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()} if self.ctx.rank == 0 else {}
+        """The plain state_dict of the bare model on rank 0 ({} elsewhere), on the CPU: references,
+        as torch's own (a checkpoint copies them once, where it writes or stages them). A collective."""
+        return {k: v.detach().cpu() for k, v in self.net.state_dict().items()} if self.ctx.rank == 0 else {}
 
     def optimizer_state_dict(self) -> dict:
         """The whole optimizer state on rank 0 ({} elsewhere). A collective."""

@@ -135,7 +135,7 @@ class OursZero(ShardedModelState, Strategy):
 
     # -- what checkpoint_layouts.Sharded saves and loads
     def sharded_state_dict(self) -> dict:
-        return self.model.sharded_state_dict()  # a collective within the shard group
+        return self.model.sharded_state_dict(copy=False)  # views: the checkpoint copies them once
 
     def load_sharded_state_dict(self, state) -> None:
         self.model.load_sharded_state_dict(state)
