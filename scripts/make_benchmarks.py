@@ -296,12 +296,14 @@ def accumulate_values() -> dict:
 
 
 CHECKPOINT = DATA / "checkpoint_async.json"
-CHECKPOINT_COMMAND = ["rounds=4", "steps=40", "ckpt_every=10", "micro_batch_size=1"]
-CHECKPOINT_TARGET = 0.2  # async blocks training under a fifth of the synchronous time
+CHECKPOINT_COMMAND = ["rounds=5", "steps=40", "ckpt_every=10", "micro_batch_size=1"]
+# issue 56: async blocks training at most 0.15x as long as sync; the whole run at most 3% slower
+# than with no checkpoint but the last; the steps beside a write at most 1.05x the steps of that run
+CHECKPOINT_GOALS = {"blocked_async_over_sync": 0.15, "run_async_over_none": 1.03, "writing_step_over_none": 1.05}
 
 
 def checkpoint_run() -> None:
-    """recipes/bench_checkpoint.py: sync vs async checkpoints, paired rounds."""
+    """recipes/bench_checkpoint.py: none vs sync vs async checkpoints, paired rounds."""
     import torch
 
     results, wall = run_recipe("bench_checkpoint.py", CHECKPOINT_COMMAND, OUT / "checkpoint_async")
@@ -313,22 +315,30 @@ def checkpoint_values() -> dict:
     if not CHECKPOINT.is_file():
         return {"checkpoint": False}
     r, p = results_of(CHECKPOINT)
-    m, ratio = r["medians"], r["blocked_ratio"]
-    lo, hi = ratio["ci"]
-    body = [[way, f"{m[way]['blocked_s']:.2f} s", f"{m[way]['write_s']:.2f} s", f"{m[way]['step_s'] * 1e3:.0f} ms"]
-            for way in ("sync", "async")]
-    # What the background writer costs the steps it runs beside, and the net of the two.
-    total = {way: r["steps"] * m[way]["step_s"] + m[way]["blocked_s"] for way in ("sync", "async")}
+    if "results" not in r:  # (recorded before the none way and the writer process)
+        return {"checkpoint": False}
+    ratio = lambda x: f"{x['median']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]"  # noqa: E731
+    times, goals = [], []
+    for strategy, s in r["results"].items():
+        m = s["medians"]
+        for way in ("none", "sync", "async"):
+            times.append([strategy, way, f"{m[way]['run_s']:.1f} s", f"{m[way]['blocked_s']:.2f} s",
+                          f"{m[way]['write_s']:.2f} s", f"{m[way]['step_s'] * 1e3:.0f} ms",
+                          f"{m[way]['writing_step_s'] * 1e3:.0f} ms" if "writing_step_s" in m[way] else "-"])
+        row = [strategy]
+        for key, goal in CHECKPOINT_GOALS.items():
+            x = s["ratios"][key]
+            row.append(f"{ratio(x)}: " + ("met" if x["median"] <= goal else "NOT met"))
+        goals.append(row + [ratio(s["ratios"]["run_sync_over_none"])])
+    met = sum(cell.endswith(": met") for row in goals for cell in row)
     return dict(
-        checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_strategy=r["strategy"],
-        ckpt_world=r["world_size"], ckpt_steps=r["steps"],
-        ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_ratio=f"{ratio['median']:.3f}", ckpt_ci=f"{lo:.3f}-{hi:.3f}",
-        ckpt_table=markdown_table(["checkpoints", "training blocked (all saves)", "writing the files", "median step"], body),
-        ckpt_target=f"{CHECKPOINT_TARGET:g}", ckpt_met="met" if hi < CHECKPOINT_TARGET else
-        "NOT met" if lo >= CHECKPOINT_TARGET else "undecided at this noise",
-        ckpt_step_ratio=f"{m['async']['step_s'] / m['sync']['step_s']:.2f}", ckpt_sync_total=f"{total['sync']:.1f}",
-        ckpt_async_total=f"{total['async']:.1f}", ckpt_cpus=r.get("cpus"),
-        ckpt_overall="saves time overall" if total["async"] < total["sync"] else "does not save time overall here",
+        checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_world=r["world_size"],
+        ckpt_steps=r["steps"], ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_cpus=r.get("cpus"),
+        ckpt_times=markdown_table(["strategy", "checkpoints", "whole run", "training blocked", "writing",
+                                   "median step", "median step beside a write"], times),
+        ckpt_goals=markdown_table(["strategy", "blocked: async / sync (<= 0.15)", "run: async / none (<= 1.03)",
+                                   "steps beside a write / none's (<= 1.05)", "run: sync / none"], goals),
+        ckpt_met=f"{met} of {len(goals) * len(CHECKPOINT_GOALS)}",
         ckpt_no_core=r.get("cpus") is not None and r["cpus"] <= r["world_size"])
 
 

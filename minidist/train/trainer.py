@@ -354,7 +354,7 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> dict:
-        t = self.cfg.trainer
+        t, began = self.cfg.trainer, time.perf_counter()
         end = int(t.stop_at) if t.stop_at is not None else int(t.max_steps)
         batches = iter(self.sampler)
         self.log.start_progress(self.step, int(t.max_steps))
@@ -420,7 +420,8 @@ class Trainer:
         if not last_eval and t.eval_batches:  # resumed with nothing left to train: still report
             last_eval = self.evaluate()
         summary = {"step": self.step, **self.log.last, **last_eval, "skipped_steps": self.skipped_steps,
-                   "parameters": self.n_params, **self._checkpoint_times()}
+                   "parameters": self.n_params, **self._checkpoint_times(),
+                   "time/run_s": time.perf_counter() - began}  # the loop, up to the last checkpoint committed
         if self.scaler.is_enabled():
             summary["loss_scale"] = float(self.scaler.get_scale())  # fp16: where the overflows left it
         # This rank's own parameters and buffers, hashed: equal on every rank of a replicated
