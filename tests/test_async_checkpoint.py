@@ -74,8 +74,8 @@ def test_the_state_is_staged_once_into_a_reused_buffer_and_the_writer_reads_it_b
     live = {"model.pt": {"w": torch.randn(4, 3), "b": torch.randn(3, dtype=torch.float64), "none": torch.empty(0, 2)},
             "meta.pt": {"step": 5, "rng": (3, (1, 2), None), "shape": torch.Size([4, 3])}}
     staging = Staging()
-    tensors, skeleton, fd = staging.stage(live)
-    assert fd is not None and os.fstat(fd).st_size == staging.size  # a new buffer, for the writer to map
+    tensors, skeleton, fresh = staging.stage(live)
+    assert fresh and os.fstat(staging.fd).st_size == staging.size  # a new buffer, for the writer to map
     before = {k: v.clone() for k, v in live["model.pt"].items()}
     live["model.pt"]["w"].add_(1.0)  # training goes on: the staged copy does not move
     back = unstaged(staging.buffer, tensors, skeleton)
@@ -83,13 +83,13 @@ def test_the_state_is_staged_once_into_a_reused_buffer_and_the_writer_reads_it_b
                for k in before)
     assert back["meta.pt"] == live["meta.pt"] and isinstance(back["meta.pt"]["rng"], tuple)
     address = back["model.pt"]["w"].data_ptr()
-    tensors, skeleton, fd = staging.stage({**live, "meta.pt": {"step": 10}})
-    assert fd is None  # the same sizes: the same buffer, copied into again
+    tensors, skeleton, fresh = staging.stage({**live, "meta.pt": {"step": 10}})
+    assert not fresh  # the same sizes: the same buffer, copied into again
     again = unstaged(staging.buffer, tensors, skeleton)
     assert again["model.pt"]["w"].data_ptr() == address and torch.equal(again["model.pt"]["w"], live["model.pt"]["w"])
     grown = {"model.pt": {"w": torch.randn(50, 3)}}
-    tensors, skeleton, fd = staging.stage(grown)  # more than fits: a fresh buffer, never a wrong copy
-    assert fd is not None and torch.equal(unstaged(staging.buffer, tensors, skeleton)["model.pt"]["w"], grown["model.pt"]["w"])
+    tensors, skeleton, fresh = staging.stage(grown)  # more than fits: a fresh buffer, never a wrong copy
+    assert fresh and torch.equal(unstaged(staging.buffer, tensors, skeleton)["model.pt"]["w"], grown["model.pt"]["w"])
     staging.close()
 
 

@@ -17,16 +17,16 @@ import json
 import math
 import mmap
 import os
-import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
 from typing import Callable
 
@@ -39,42 +39,35 @@ from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_fold
                                        finish_folder, prune, sync_to_disk)
 from minidist.train.checkpoint_layouts import write_files
 
-ALIGN = 64  # each staged tensor starts on a cache line
-
 
 class Staging:
     """The checkpoint's tensors, copied once into shared memory (an anonymous memfd: nothing to
-    leave behind in /dev/shm) that the writer process maps too. Reused by every checkpoint that
-    fits in it; one that needs more gets a fresh buffer, pre-faulted (MAP_POPULATE) so that the
-    copy does not pay a page fault per page."""
+    leave behind in /dev/shm) that the writer maps too. Reused by every checkpoint that fits;
+    one that needs more gets a fresh buffer, pre-faulted (MAP_POPULATE): no page fault per page."""
 
     def __init__(self):
         self.fd, self.size, self.buffer = -1, 0, None
 
-    def stage(self, files: dict) -> tuple[list, bytes, int | None]:
+    def stage(self, files: dict) -> tuple[list, bytes, bool]:
         """Copy every tensor of `files` into the buffer. Returns (each tensor's [dtype, shape,
-        offset], `files` with every tensor a placeholder, torch.saved, and the fd of a new buffer
-        for the writer to map, or None)."""
+        offset], `files` torch.saved with every tensor a placeholder, whether the buffer is new)."""
         leaves, spec = tree_flatten(files)
-        tensors, offset = [], 0
-        for t in leaves:
-            if torch.is_tensor(t):
-                tensors.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-                offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        fresh = self._grow(offset) if offset > self.size else None
-        for t, (dtype, shape, at) in zip((t for t in leaves if torch.is_tensor(t)), tensors):
-            if t.numel():
-                staged_view(self.buffer, dtype, shape, at).copy_(t.detach())
+        tensors, end = [t for t in leaves if torch.is_tensor(t)], 0
+        where = []
+        for t in tensors:
+            where.append([str(t.dtype).removeprefix("torch."), list(t.shape), end])
+            end += -(-t.numel() * t.element_size() // 64) * 64  # each on a cache line of its own
+        fresh = end > self.size
+        if fresh:
+            self.close()
+            self.fd = os.memfd_create("minidist-checkpoint-staging", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, end)
+            self.size, self.buffer = end, mmap.mmap(self.fd, end, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        for t, at in zip(tensors, where):
+            staged_view(self.buffer, *at).copy_(t.detach())
         skeleton = io.BytesIO()
         torch.save(tree_unflatten([torch.empty(0) if torch.is_tensor(t) else t for t in leaves], spec), skeleton)
-        return tensors, skeleton.getvalue(), fresh
-
-    def _grow(self, size: int) -> int:
-        self.close()
-        self.fd = os.memfd_create("minidist-checkpoint-staging", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.size, self.buffer = size, mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        return self.fd
+        return where, skeleton.getvalue(), fresh
 
     def close(self) -> None:
         if self.buffer is not None:
@@ -84,63 +77,38 @@ class Staging:
 
 
 def staged_view(buffer, dtype: str, shape: list, offset: int) -> torch.Tensor:
-    """The tensor at `offset` of a staging buffer (no copy; its own storage, so torch.save writes it alone)."""
-    dtype_ = getattr(torch, dtype)
-    if math.prod(shape) == 0:
-        return torch.empty(shape, dtype=dtype_)
-    return torch.frombuffer(buffer, dtype=dtype_, count=math.prod(shape), offset=offset).view(shape)
+    """The tensor at `offset` of a staging buffer: no copy, a storage of its own (torch.save writes it alone)."""
+    n, dtype = math.prod(shape), getattr(torch, dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=n, offset=offset).view(shape) if n else torch.empty(shape, dtype=dtype)
 
 
-# -- the wire between a rank and its writer: a JSON header and bytes, an fd passed alongside
-
-def send(sock: socket.socket, header: dict, payload: bytes = b"", fd: int | None = None) -> None:
-    head = json.dumps(header).encode()
-    prefix = struct.pack("<QQ", len(head), len(payload))
-    if fd is None:
-        sock.sendall(prefix)
-    else:
-        socket.send_fds(sock, [prefix], [fd])
-    sock.sendall(head + payload)
+def unstaged(buffer, tensors: list, skeleton: bytes) -> dict:
+    """What Staging.stage staged, rebuilt over the buffer (the writer's view of it: no copy)."""
+    leaves, spec = tree_flatten(torch.load(io.BytesIO(skeleton), weights_only=True))
+    staged = iter(tensors)
+    return tree_unflatten([staged_view(buffer, *next(staged)) if torch.is_tensor(x) else x for x in leaves], spec)
 
 
-def receive(sock: socket.socket) -> tuple[dict, bytes, list[int]] | None:
-    """The next message (header, payload, fds passed), or None at the end of the stream."""
-    prefix, fds, _, _ = socket.recv_fds(sock, 16, 1)
-    if not prefix:
-        return None
-    n_head, n_payload = struct.unpack("<QQ", prefix + exactly(sock, 16 - len(prefix)))
-    return json.loads(exactly(sock, n_head)), exactly(sock, n_payload), fds
+def message(header: dict, payload: bytes = b"") -> bytes:
+    return json.dumps(header).encode() + b"\n" + payload  # (JSON escapes every newline it holds)
 
 
-def exactly(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(min(n, 1 << 20))
-        if not chunk:
-            raise EOFError("the other end closed mid-message")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+def parsed(data: bytes) -> tuple[dict, bytes]:
+    head, _, payload = data.partition(b"\n")
+    return json.loads(head), payload
 
 
-def failure(e: BaseException) -> dict:
-    """An exception, as the writer reports it."""
-    return {"type": type(e).__name__, "text": str(e), "errno": getattr(e, "errno", None),
-            "strerror": getattr(e, "strerror", None), "filename": getattr(e, "filename", None),
-            "write": _write_error(e), "traceback": traceback.format_exc()}
+def described(e: BaseException) -> dict:
+    """The writer's exception, as its rank rebuilds it (`rebuilt`)."""
+    return {"errno": getattr(e, "errno", None), "os": [getattr(e, "strerror", None), getattr(e, "filename", None)],
+            "write": _write_error(e), "text": str(e) if _write_error(e) else traceback.format_exc()}
 
 
-def rebuilt(error: dict) -> BaseException:
-    """The writer's exception, in the training process: a write error as the OS said it (the
-    line a failed save prints), anything else with the writer's traceback."""
-    if error["write"] and error["errno"] is not None:
-        return OSError(error["errno"], error["strerror"], error["filename"])
-    if error["write"]:
-        return RuntimeError(error["text"])
-    return RuntimeError(f"the checkpoint writer failed: {error['traceback']}")
-
-
-# -- this rank's side
+def rebuilt(e: dict) -> BaseException:
+    """A write error as the OS said it (the line a failed save prints); anything else with the writer's traceback."""
+    if e["write"] and e["errno"] is not None:
+        return OSError(e["errno"], *e["os"])
+    return RuntimeError(e["text"] if e["write"] else f"the checkpoint writer failed: {e['text']}")
 
 
 @dataclass
@@ -159,22 +127,23 @@ class AsyncCheckpoints:
     how: docs/internals.md, "train/async_checkpoint.py"."""
 
     def __init__(self, run_dir: Path, strategy):
+        import minidist  # the writer imports the same minidist, wherever this one came from
+
         self.run_dir, self.strategy, self.rank = Path(run_dir), strategy, strategy.ctx.rank
         self.blocked_s = 0.0   # training time spent in save / poll / wait (the end of the run's wait: none)
         self.write_s = 0.0     # the writer's time, writing and committing
         self._flight: Flight | None = None
         self._removals = 0     # rank 0: pruned checkpoints the writer is still deleting
         self._staging = Staging()
-        self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        import minidist  # the writer imports the same minidist, wherever this one came from
-        where = str(Path(minidist.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([where, *filter(None, [os.environ.get("PYTHONPATH")])]),
-               "OMP_NUM_THREADS": "1"}
+        ours, theirs = socket.socketpair()
+        path = [str(Path(minidist.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "minidist.train.async_checkpoint", str(child.fileno()), str(os.getpid()),
-             str(self.rank)], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True)  # a Ctrl-C to the job reaches the ranks, which stop it in order
-        child.close()
+            [sys.executable, "-m", "minidist.train.async_checkpoint", str(theirs.fileno()), str(os.getpid()),
+             str(self.rank)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "OMP_NUM_THREADS": "1"},
+            process_group=0)  # not a Ctrl-C's (the ranks stop it in order), yet this session's (its CPU share)
+        theirs.close()
+        self._conn = Connection(ours.detach())
 
     @property
     def in_flight(self) -> bool:
@@ -188,11 +157,10 @@ class AsyncCheckpoints:
         start = time.perf_counter()
         self.wait()
         tmp = begin_save(self.run_dir, step, self.strategy)
-        tensors, skeleton, fd = self._staging.stage(collect_files(self.strategy, step, meta))
+        tensors, skeleton, fresh = self._staging.stage(collect_files(self.strategy, step, meta))
         self._flight = Flight(step, before_commit)
-        if fd is not None:
-            self._send({"op": "buffer", "size": self._staging.size}, fd=fd)
-        self._send({"op": "write", "dir": str(tmp), "tensors": tensors}, skeleton)
+        if not fresh or self._send({"op": "buffer", "size": self._staging.size}):
+            self._send({"op": "write", "dir": str(tmp), "tensors": tensors}, skeleton)
         self.blocked_s += time.perf_counter() - start
         return checkpoint_folders(self.run_dir, step)[0]
 
@@ -232,48 +200,44 @@ class AsyncCheckpoints:
 
     def close(self) -> None:
         """The writer stopped (a write in flight is abandoned: its `.tmp` folder goes at the next start)."""
-        self._sock.close()
+        self._conn.close()
         self._proc.kill()
         self._proc.wait()
         self._staging.close()
 
-    def _send(self, header: dict, payload: bytes = b"", fd: int | None = None) -> bool:
+    def _send(self, header: dict, payload: bytes = b"") -> bool:
         try:
-            send(self._sock, header, payload, fd)
+            self._conn.send_bytes(message(header, payload))
+            if header["op"] == "buffer":
+                send_handle(self._conn, self._staging.fd, self._proc.pid)
             return True
         except OSError:
             self._gone()
             return False
 
     def _gone(self) -> None:
-        """The writer exited: the checkpoint in flight fails with that (and with no flight, the next one)."""
+        """The writer exited (killed, out of memory): the checkpoint in flight fails with that."""
         said = f"rank {self.rank}'s checkpoint writer (pid {self._proc.pid}) exited ({self._proc.wait(timeout=30)})"
         self._removals = 0
         if self._flight is None:
             raise RuntimeError(said)
-        self._flight.done, self._flight.error = True, RuntimeError(f"{said} during the checkpoint of step "
-                                                                   f"{self._flight.step}")
+        self._flight.done, self._flight.error = True, RuntimeError(f"{said} during step {self._flight.step}'s checkpoint")
 
     def _settle(self, block: bool) -> None:
         """Take the writer's replies; with `block`, until this rank's part of the flight (or of
-        the removals) is done. A writer that died is this flight's failure."""
+        the removals) is done."""
         f = self._flight
-        while True:
-            busy = (f is not None and not f.done) or (f is None and self._removals)
-            if not select.select([self._sock], [], [], 1.0 if block and busy else 0)[0]:
+        while (busy := (not f.done) if f is not None else self._removals > 0) or self._conn.poll(0):
+            if not self._conn.poll(1.0 if block and busy else 0):
+                if block and busy and self._proc.poll() is None:
+                    continue
                 if not (block and busy):
                     return
-                if self._proc.poll() is None:
-                    continue
             try:
-                message = receive(self._sock)
+                reply, _ = parsed(self._conn.recv_bytes())
             except (EOFError, OSError):
-                message = None
-            if message is None:  # the writer is gone (killed, out of memory): this flight fails
-                self._gone()
-                return
-            reply = message[0]
-            self.write_s += reply.get("seconds", 0.0)
+                return self._gone()
+            self.write_s += reply["seconds"]
             if reply["op"] == "removed":
                 self._removals -= 1
                 continue
@@ -289,17 +253,16 @@ class AsyncCheckpoints:
         agreed = comm.max_over_ranks(2.0 if f.error is not None else 0.0 if f.done else 1.0)
         if agreed == 1.0:
             return None
+        final, tmp = checkpoint_folders(self.run_dir, f.step)
         if agreed == 2.0:
             self._settle(block=True)  # this rank's writer done with the folder before it goes
-            self._flight = None
-            mine = f.error if f.error is not None and _write_error(f.error) else None
+            self._flight, mine = None, f.error if f.error is not None and _write_error(f.error) else None
             try:
                 fail_save(self.run_dir, f.step, self.strategy, mine)
             except Exception:
                 if f.error is not None and mine is None:  # a bug, not a full disk: its own traceback
                     raise f.error from None
                 raise
-        final, tmp = checkpoint_folders(self.run_dir, f.step)
         if f.phase == "writing":  # every rank's files are written: rank 0's writer commits
             f.phase, f.done = "committing", self.rank != 0
             if self.rank == 0:
@@ -317,28 +280,25 @@ def written_path(tmp: Path, rank: int) -> Path:
     return Path(tmp) / f".written.rank{rank:05d}.json"
 
 
-def unstaged(buffer, tensors: list, skeleton: bytes) -> dict:
-    """What Staging.stage staged, rebuilt over the buffer (the writer's view of it: no copy)."""
-    leaves, spec = tree_flatten(torch.load(io.BytesIO(skeleton), weights_only=True))
-    staged = iter(tensors)
-    return tree_unflatten([staged_view(buffer, *next(staged)) if torch.is_tensor(x) else x for x in leaves], spec)
-
-
-def write(buffer, header: dict, skeleton: bytes, rank: int) -> None:
-    """This rank's files, from the staging buffer: written, hashed, fsynced; their entries left for the commit."""
-    tmp = Path(header["dir"])
-    entries = write_files(tmp, unstaged(buffer, header["tensors"], skeleton))
-    sync_to_disk(tmp)
-    written_path(tmp, rank).write_text(json.dumps(entries))
-
-
-def commit(header: dict) -> str | None:
-    """Rank 0's writer, once every rank's files are written: the manifest from their entries, the rename."""
-    tmp, entries = Path(header["dir"]), {}
-    for r in range(header["ranks"]):
-        entries.update(json.loads(written_path(tmp, r).read_text()))
-        written_path(tmp, r).unlink()
-    return finish_folder(tmp, Path(header["final"]), entries)
+def serve(op: str, header: dict, payload: bytes, buffer, rank: int) -> dict:
+    """One request: this rank's files written from the staging buffer, hashed and fsynced, their
+    entries left for the commit; the commit (rank 0: the manifest from every rank's entries, the
+    rename); or pruned checkpoints deleted."""
+    tmp = Path(header.get("dir", "."))
+    if op == "write":
+        entries = write_files(tmp, unstaged(buffer, header["tensors"], payload))
+        sync_to_disk(tmp)
+        written_path(tmp, rank).write_text(json.dumps(entries))
+        return {"op": "written"}
+    if op == "commit":
+        entries = {}
+        for r in range(header["ranks"]):
+            entries.update(json.loads(written_path(tmp, r).read_text()))
+            written_path(tmp, r).unlink()
+        return {"op": "committed", "note": finish_folder(tmp, Path(header["final"]), entries)}
+    for path in header["paths"]:
+        shutil.rmtree(path, ignore_errors=True)
+    return {"op": "removed"}
 
 
 def writer_main(fd: int, parent: int, rank: int) -> None:
@@ -347,33 +307,23 @@ def writer_main(fd: int, parent: int, rank: int) -> None:
     if os.getppid() != parent:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop is the rank's to handle
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        os.nice(19)
-    sock, buffer = socket.socket(fileno=fd), None
-    while (message := receive(sock)) is not None:
-        header, payload, fds = message
-        op, start, reply = header["op"], time.perf_counter(), {}
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    conn, buffer = Connection(fd), None
+    while True:
+        try:
+            header, payload = parsed(conn.recv_bytes())
+        except EOFError:  # the rank closed its end
+            return
+        op, start = header["op"], time.perf_counter()
         if op == "buffer":
-            if buffer is not None:
-                buffer.close()
-            buffer = mmap.mmap(fds[0], header["size"], flags=mmap.MAP_SHARED)
-            os.close(fds[0])
+            buffer = mmap.mmap(handle := recv_handle(conn), header["size"], flags=mmap.MAP_SHARED)
+            os.close(handle)
             continue
         try:
-            if op == "write":
-                write(buffer, header, payload, rank)
-                reply = {"op": "written"}
-            elif op == "commit":
-                reply = {"op": "committed", "note": commit(header)}
-            elif op == "remove":
-                for path in header["paths"]:
-                    shutil.rmtree(path, ignore_errors=True)
-                reply = {"op": "removed"}
+            reply = serve(op, header, payload, buffer, rank)
         except Exception as e:  # noqa: BLE001 - reported to the rank, which stops every rank alike
-            reply = {"op": "written" if op == "write" else "committed", "error": failure(e)}
-        send(sock, {**reply, "seconds": time.perf_counter() - start})
+            reply = {"op": "written" if op == "write" else "committed", "error": described(e)}
+        conn.send_bytes(message({**reply, "seconds": time.perf_counter() - start}))
 
 
 if __name__ == "__main__":
