@@ -6,6 +6,7 @@ checkpoint, which trainer.resume=auto picks; summary.json says how long training
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -68,6 +69,35 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     log = (run_dir / "logs" / "rank_0.log").read_text()
     assert "removed .step_00000010.tmp" in log and f"resumed from {run_dir / 'checkpoints' / 'step_00000005'}" in log
     assert [c.name for c in list_checkpoints(run_dir)][-1] == "step_00000020"
+
+
+@pytest.mark.slow(stand_in="test_background_checkpoints_equal_the_synchronous_ones_and_resume_exactly[ddp]")
+def test_a_writer_that_dies_stops_every_rank_in_one_line_naming_it(tmp_path):
+    """Rank 1's writer process killed: the next checkpoint fails on every rank alike, rank 0's
+    line names the writer, and nothing half-written is left looking like a checkpoint."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([PYTHON, str(RECIPE), "launcher.nproc=2", *tiny_overrides(
+        *ASYNC, "debug.step_delay_s=0.05", f"hydra.run.dir={run_dir}")], cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    writer = None
+    for _ in range(600):  # the writers start with the ranks
+        try:
+            writer = next((p for p in psutil.Process(proc.pid).children(recursive=True)
+                           if "minidist.train.async_checkpoint" in p.cmdline() and p.cmdline()[-1] == "1"), None)
+        except psutil.NoSuchProcess:  # a child that came and went
+            continue
+        if writer is not None:
+            break
+        time.sleep(0.1)
+    assert writer is not None, "rank 1's writer never started"
+    writer.kill()
+    _, err = proc.communicate(timeout=240)
+    said = err.strip().splitlines()
+    assert proc.returncode == 1 and len(said) == 1, err[-3000:]
+    assert f"rank 1's checkpoint writer (pid {writer.pid}) exited (-9)" in said[0] and "step 5: " in said[0], said[0]
+    assert list_checkpoints(run_dir) == [] and not list((run_dir / "checkpoints").glob(".step_*"))
 
 
 def test_the_state_is_staged_once_into_a_reused_buffer_and_the_writer_reads_it_back():

@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minidist import comm
 from minidist.dist import get_logger
-from minidist.train.checkpoint import (_write_error, begin_save, checkpoint_folders, collect_files, fail_save,
-                                       finish_folder, prune, sync_to_disk)
+from minidist.train.checkpoint import (CheckpointWriteFailed, _write_error, begin_save, checkpoint_folders,
+                                       collect_files, fail_save, finish_folder, prune, sync_to_disk)
 from minidist.train.checkpoint_layouts import write_files
 
 
@@ -99,16 +99,15 @@ def parsed(data: bytes) -> tuple[dict, bytes]:
 
 
 def described(e: BaseException) -> dict:
-    """The writer's exception, as its rank rebuilds it (`rebuilt`)."""
-    return {"errno": getattr(e, "errno", None), "os": [getattr(e, "strerror", None), getattr(e, "filename", None)],
-            "write": _write_error(e), "text": str(e) if _write_error(e) else traceback.format_exc()}
+    """The writer's exception, as its rank rebuilds it: an OSError as the OS said it (the line a
+    failed save prints), anything else as its text (a bug: with the writer's traceback)."""
+    return {"os": [e.errno, e.strerror, e.filename] if isinstance(e, OSError) and e.errno is not None else None,
+            "text": str(e) if _write_error(e) else
+            f"the checkpoint writer failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"}
 
 
 def rebuilt(e: dict) -> BaseException:
-    """A write error as the OS said it (the line a failed save prints); anything else with the writer's traceback."""
-    if e["write"] and e["errno"] is not None:
-        return OSError(e["errno"], *e["os"])
-    return RuntimeError(e["text"] if e["write"] else f"the checkpoint writer failed: {e['text']}")
+    return OSError(*e["os"]) if e["os"] else RuntimeError(e["text"])
 
 
 @dataclass
@@ -119,7 +118,7 @@ class Flight:
     before_commit: Callable[[], None] | None
     phase: str = "writing"
     done: bool = False                   # this rank's part of the phase
-    error: BaseException | None = None   # what it failed with
+    error: dict | None = None            # what it failed with, as `described` gives it
 
 
 class AsyncCheckpoints:
@@ -144,6 +143,8 @@ class AsyncCheckpoints:
             process_group=0)  # not a Ctrl-C's (the ranks stop it in order), yet this session's (its CPU share)
         theirs.close()
         self._conn = Connection(ours.detach())
+        # Idle priority from the start, its imports too: it runs on the CPU time training leaves.
+        os.sched_setscheduler(self._proc.pid, os.SCHED_IDLE, os.sched_param(0))
 
     @property
     def in_flight(self) -> bool:
@@ -216,12 +217,18 @@ class AsyncCheckpoints:
             return False
 
     def _gone(self) -> None:
-        """The writer exited (killed, out of memory): the checkpoint in flight fails with that."""
-        said = f"rank {self.rank}'s checkpoint writer (pid {self._proc.pid}) exited ({self._proc.wait(timeout=30)})"
+        """The writer exited (killed, out of memory): the checkpoint in flight fails with that (with
+        none in flight, the next one: its request cannot be sent)."""
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # (its end of the socket closed, yet running)
+            self._proc.kill()
+            code = self._proc.wait()
         self._removals = 0
-        if self._flight is None:
-            raise RuntimeError(said)
-        self._flight.done, self._flight.error = True, RuntimeError(f"{said} during step {self._flight.step}'s checkpoint")
+        if self._flight is not None:
+            self._flight.done, self._flight.error = True, {"os": None, "text": (
+                f"step {self._flight.step}: the checkpoint was not written: rank {self.rank}'s checkpoint writer "
+                f"(pid {self._proc.pid}) exited ({code})")}
 
     def _settle(self, block: bool) -> None:
         """Take the writer's replies; with `block`, until this rank's part of the flight (or of
@@ -241,7 +248,7 @@ class AsyncCheckpoints:
             if reply["op"] == "removed":
                 self._removals -= 1
                 continue
-            f.done, f.error = True, rebuilt(reply["error"]) if reply.get("error") else None
+            f.done, f.error = True, reply.get("error")
             if reply.get("note"):
                 get_logger().info(reply["note"])
             if reply["op"] == "written" and f.error is None and f.before_commit is not None:
@@ -256,12 +263,13 @@ class AsyncCheckpoints:
         final, tmp = checkpoint_folders(self.run_dir, f.step)
         if agreed == 2.0:
             self._settle(block=True)  # this rank's writer done with the folder before it goes
-            self._flight, mine = None, f.error if f.error is not None and _write_error(f.error) else None
+            self._flight = None
+            first = rebuilt(next(e for e in comm.all_gather_object(f.error) if e))  # every rank says the same
             try:
-                fail_save(self.run_dir, f.step, self.strategy, mine)
-            except Exception:
-                if f.error is not None and mine is None:  # a bug, not a full disk: its own traceback
-                    raise f.error from None
+                fail_save(self.run_dir, f.step, self.strategy, first if _write_error(first) else None)
+            except CheckpointWriteFailed:
+                if not _write_error(first):  # not the disk: a writer that died, a bug (its traceback, logged)
+                    raise CheckpointWriteFailed(str(first)) from None
                 raise
         if f.phase == "writing":  # every rank's files are written: rank 0's writer commits
             f.phase, f.done = "committing", self.rank != 0
@@ -307,7 +315,6 @@ def writer_main(fd: int, parent: int, rank: int) -> None:
     if os.getppid() != parent:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop is the rank's to handle
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     conn, buffer = Connection(fd), None
     while True:
         try:

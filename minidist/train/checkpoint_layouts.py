@@ -1,5 +1,5 @@
-"""The ways a checkpoint folder holds a strategy's state, each one class that saves, loads, reports
-the saved shapes and consolidates: full, sharded and workers here; dcp and deepspeed registered
+"""The ways a checkpoint folder holds a strategy's state, each one class that collects the files,
+loads them, reports the saved shapes and consolidates: full, sharded and workers here; dcp and deepspeed registered
 by the reference strategies' plugins (minidist_tools/native.py, deepspeed.py) through
 register_layout (a strategy spec's `checkpoint`; meta.pt's `layout`). Every layout but DeepSpeed's
 also gives a portable form that a run of another strategy or world size loads. The files of each:
@@ -42,14 +42,7 @@ def write_files(directory: Path, files: dict[str, object]) -> dict[str, dict]:
     return {name: save_tensors(payload, Path(directory) / name) for name, payload in files.items()}
 
 
-class Collected:
-    """Layouts whose state is collected first (the collectives), then written by anyone."""
-
-    def save(self, strategy, directory: Path) -> None:
-        write_files(directory, self.collect(strategy))
-
-
-class Full(Collected):
+class Full:
     """The plain state_dict and the optimizer's, as one process holds them."""
 
     name = "full"
@@ -79,7 +72,7 @@ class Full(Collected):
         return f"a full state_dict ({MODEL}, {OPTIMIZER})"
 
 
-class Sharded(Collected):
+class Sharded:
     """One file per rank of a shard group, pieces with offsets: loadable at any shard count."""
 
     name = "sharded"
@@ -169,7 +162,7 @@ def worker_path(directory: Path, worker: int) -> Path:
     return Path(directory) / f"worker{worker:05d}.pt"
 
 
-class Workers(Collected):
+class Workers:
     """DiLoCo's workers each hold their own weights and inner optimizer state: one file per worker,
     and the outer state once. At another number of workers, worker w resumes from saved worker
     w mod (the saved number), with the outer state as saved."""
@@ -238,8 +231,9 @@ LAYOUTS = {layout.name: layout for layout in (Full(), Sharded(), Workers())}
 
 
 def register_layout(layout) -> None:
-    """Add a layout (an object with name, save, load, shapes, consolidate, portable, describe; and
-    collect, or collect = None where its library writes the files itself): a plugin's own format."""
+    """Add a layout (an object with name, load, shapes, consolidate, portable, describe; and collect
+    (the files, written by the trainer), or collect = None and save where its library writes the
+    files itself): a plugin's own format."""
     LAYOUTS[layout.name] = layout
 
 
