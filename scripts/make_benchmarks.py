@@ -331,6 +331,10 @@ def checkpoint_values() -> dict:
             row.append(f"{ratio(x)}: " + ("met" if x["median"] <= goal else "NOT met"))
         goals.append(row + [ratio(s["ratios"]["run_sync_over_none"])])
     met = sum(cell.endswith(": met") for row in goals for cell in row)
+    n_ckpt = r["steps"] // r["ckpt_every"]  # the async runs' checkpoints, the last one among them
+    beside = [s["ratios"]["writing_step_over_none"]["median"] for s in r["results"].values()]
+    each = {k: [s["medians"][way]["write_s"] / n for s in r["results"].values()] for k, way, n in
+            (("async", "async", n_ckpt), ("none", "none", 1))}
     return dict(
         checkpoint=True, **made_by(p, "ckpt_"), ckpt_model=r["model"], ckpt_world=r["world_size"],
         ckpt_steps=r["steps"], ckpt_every=r["ckpt_every"], ckpt_rounds=r["rounds"], ckpt_cpus=r.get("cpus"),
@@ -339,6 +343,8 @@ def checkpoint_values() -> dict:
         ckpt_goals=markdown_table(["strategy", "blocked: async / sync (<= 0.15)", "run: async / none (<= 1.03)",
                                    "steps beside a write / none's (<= 1.05)", "run: sync / none"], goals),
         ckpt_met=f"{met} of {len(goals) * len(CHECKPOINT_GOALS)}",
+        ckpt_beside=f"their median {min(beside):.2f}-{max(beside):.2f}x the steps of a run without",
+        ckpt_write_each=span(each["async"], "{:.1f}".format) + " s", ckpt_write_none=span(each["none"], "{:.1f}".format) + " s",
         ckpt_no_core=r.get("cpus") is not None and r["cpus"] <= r["world_size"])
 
 

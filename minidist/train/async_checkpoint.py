@@ -110,6 +110,23 @@ def rebuilt(e: dict) -> BaseException:
     return OSError(*e["os"]) if e["os"] else RuntimeError(e["text"])
 
 
+def start_writer(rank: int) -> tuple[subprocess.Popen, Connection]:
+    """Rank `rank`'s writer process and its end of the socket. Start it early: importing torch
+    takes it seconds of CPU, best spent beside the run's own start-up (it runs at idle priority
+    once its imports are done)."""
+    import minidist  # the writer imports the same minidist, wherever this one came from
+
+    ours, theirs = socket.socketpair()
+    path = [str(Path(minidist.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minidist.train.async_checkpoint", str(theirs.fileno()), str(os.getpid()), str(rank)],
+        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "OMP_NUM_THREADS": "1"},
+        process_group=0)  # not a Ctrl-C's (the ranks stop it in order), yet this session's (its CPU share)
+    theirs.close()
+    return proc, Connection(ours.detach())
+
+
 @dataclass
 class Flight:
     """The checkpoint in flight: writing (every rank's writer), then committing (rank 0's)."""
@@ -125,26 +142,15 @@ class AsyncCheckpoints:
     """One checkpoint in flight at a time, written and committed by this rank's writer process;
     how: docs/internals.md, "train/async_checkpoint.py"."""
 
-    def __init__(self, run_dir: Path, strategy):
-        import minidist  # the writer imports the same minidist, wherever this one came from
-
+    def __init__(self, run_dir: Path, strategy, writer: tuple | None = None):
+        """`writer`: what start_writer gave, started early; else one is started now."""
         self.run_dir, self.strategy, self.rank = Path(run_dir), strategy, strategy.ctx.rank
         self.blocked_s = 0.0   # training time spent in save / poll / wait (the end of the run's wait: none)
         self.write_s = 0.0     # the writer's time, writing and committing
         self._flight: Flight | None = None
         self._removals = 0     # rank 0: pruned checkpoints the writer is still deleting
         self._staging = Staging()
-        ours, theirs = socket.socketpair()
-        path = [str(Path(minidist.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "minidist.train.async_checkpoint", str(theirs.fileno()), str(os.getpid()),
-             str(self.rank)], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path)), "OMP_NUM_THREADS": "1"},
-            process_group=0)  # not a Ctrl-C's (the ranks stop it in order), yet this session's (its CPU share)
-        theirs.close()
-        self._conn = Connection(ours.detach())
-        # Idle priority from the start, its imports too: it runs on the CPU time training leaves.
-        os.sched_setscheduler(self._proc.pid, os.SCHED_IDLE, os.sched_param(0))
+        self._proc, self._conn = writer or start_writer(self.rank)
 
     @property
     def in_flight(self) -> bool:
@@ -315,6 +321,7 @@ def writer_main(fd: int, parent: int, rank: int) -> None:
     if os.getppid() != parent:
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop is the rank's to handle
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # training first: it takes the CPU left idle
     conn, buffer = Connection(fd), None
     while True:
         try:

@@ -34,7 +34,7 @@ import minidist
 from minidist import comm
 from minidist.measure import Span, clock_name, to_host
 from minidist.profiling import settle
-from minidist.train.async_checkpoint import AsyncCheckpoints
+from minidist.train.async_checkpoint import AsyncCheckpoints, start_writer
 from minidist.train.checkpoint import (latest_checkpoint, list_checkpoints, load_checkpoint, prune, read_meta,
                                        remove_partial_saves, save_checkpoint)
 from minidist.train.checkpoint_layouts import layout_for
@@ -112,6 +112,8 @@ class Trainer:
         configure_device(ctx.device, bool(t.tf32))
         self.global_batch = t.micro_batch_size * self.grad_accum * ctx.world_size
         self.log = RunLog(cfg, self.run_dir, ctx)
+        # trainer.checkpoint_async: the writer process, started now, beside the rest of the start-up
+        writer = start_writer(ctx.rank) if t.get("checkpoint_async") else None
 
         # Same initial weights on every rank (the strategies also broadcast rank 0's), built as the
         # comparison builds them (state.py).
@@ -161,12 +163,13 @@ class Trainer:
         self.checkpoints = None  # trainer.checkpoint_async: the background writer (async_checkpoint.py)
         self.sync_save_s = 0.0  # the synchronous saves' time: training blocked, all of it writing
         self.step_seconds = {False: array.array("f"), True: array.array("f")}  # by: a write was in flight
-        if t.get("checkpoint_async"):
+        if writer is not None:
+            self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy, writer)
             if (layout := layout_for(self.strategy)).collect is None:
+                self.checkpoints.close()
+                self.checkpoints = None
                 self.log.info(f"trainer.checkpoint_async: {self.strategy.name}'s checkpoints are written by "
                               f"{layout.writer}, communicating as it does: they stay synchronous")
-            else:
-                self.checkpoints = AsyncCheckpoints(self.run_dir, self.strategy)
         # A host that vanishes makes the others leave within launcher.peer_timeout_s (resilience.py)
         self.peer_watch = PeerWatch.start(ctx, float(cfg.launcher.get("peer_timeout_s", 0)), step=lambda: self.step,
                                           run_dir=self.run_dir)
