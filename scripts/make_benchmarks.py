@@ -343,7 +343,7 @@ def checkpoint_values() -> dict:
         ckpt_goals=markdown_table(["strategy", "blocked: async / sync (<= 0.15)", "run: async / none (<= 1.03)",
                                    "steps beside a write / none's (<= 1.05)", "run: sync / none"], goals),
         ckpt_met=f"{met} of {len(goals) * len(CHECKPOINT_GOALS)}",
-        ckpt_beside=f"their median {min(beside):.2f}-{max(beside):.2f}x the steps of a run without",
+        ckpt_beside=f"{min(beside):.2f}-{max(beside):.2f}x the median step of the run without checkpoints (by strategy)",
         ckpt_write_each=span(each["async"], "{:.1f}".format) + " s", ckpt_write_none=span(each["none"], "{:.1f}".format) + " s",
         ckpt_no_core=r.get("cpus") is not None and r["cpus"] <= r["world_size"])
 
