@@ -46,8 +46,9 @@ class Digesting:
         # every training thread woken on its core; a piece is some microseconds.
         view = memoryview(data).cast("B")
         for at in range(0, len(view), 1 << 16):
-            self._sha.update(view[at:at + (1 << 16)])
-            self.file.write(view[at:at + (1 << 16)])
+            piece = view[at:at + (1 << 16)]
+            self._sha.update(piece)
+            self.file.write(piece)
         self.bytes += len(view)
         return len(view)
 
