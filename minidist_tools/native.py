@@ -73,9 +73,9 @@ class NativeZero1(NativeDDP):
         model = self._ddp(net)
         return model, ZeroRedundancyOptimizer(net.parameters(), optimizer_class=optim_cls, **optim_kwargs)
 
-    def optimizer_state_dict(self):
-        self.optimizer.consolidate_state_dict(to=0)  # a collective: rank 0 receives every shard
-        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
+    def optimizer_state_dict(self, on=0):
+        self.optimizer.consolidate_state_dict(to=on)  # a collective: rank `on` receives every shard
+        return self.optimizer.state_dict() if self.ctx.rank == on else {}
 
 
 class NativeFSDP(Strategy):

@@ -3,6 +3,7 @@ DeepSpeedLayout save, load, report shapes and consolidate; strategies expose sta
 the sharded format is read in one module (minidist.parallel.flat_shard)."""
 
 import ast
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,3 +40,15 @@ def test_pieces_from_any_cut_assemble_the_whole_parameter_and_a_gap_is_named():
     assert torch.equal(full_parameters(states)["w"], whole)
     with pytest.raises(ValueError, match="the shards hold 7 of the 10 values of 'w'; is a shard file missing"):
         assemble("w", (2, 5), states[1]["params"]["w"])
+
+
+@pytest.mark.parametrize("rank,world,files", [(0, 2, {"model.pt"}), (1, 2, {"optimizer.pt"}),
+                                              (1, 4, set()), (0, 1, {"model.pt", "optimizer.pt"})])
+def test_a_full_checkpoint_has_two_writers_the_model_on_rank_0_the_optimizer_on_the_last(rank, world, files):
+    class Replicated:  # as base.Strategy answers: the model on rank 0, the optimizer on the rank asked for
+        ctx = SimpleNamespace(rank=rank, world_size=world)
+        full_state_dict = staticmethod(lambda: {"w": torch.ones(2)} if rank == 0 else {})
+        optimizer_state_dict = staticmethod(lambda on=0: {"state": {}, "param_groups": []} if rank == on else {})
+        name_groups = staticmethod(lambda optim: optim)
+
+    assert set(LAYOUTS["full"].collect(Replicated())) == files

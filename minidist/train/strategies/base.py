@@ -111,9 +111,9 @@ class Strategy:
         as torch's own (a checkpoint copies them once, where it writes or stages them). A collective."""
         return {k: v.detach().cpu() for k, v in self.net.state_dict().items()} if self.ctx.rank == 0 else {}
 
-    def optimizer_state_dict(self) -> dict:
-        """The whole optimizer state on rank 0 ({} elsewhere). A collective."""
-        return self.optimizer.state_dict() if self.ctx.rank == 0 else {}
+    def optimizer_state_dict(self, on: int = 0) -> dict:
+        """The whole optimizer state on rank `on` ({} elsewhere). A collective."""
+        return self.optimizer.state_dict() if self.ctx.rank == on else {}
 
     def load_optimizer_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)

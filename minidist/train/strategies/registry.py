@@ -79,7 +79,7 @@ class StrategySpec:
     kind: str                          # minidist (ours) | native (PyTorch's) | deepspeed
     factory: Callable
     summary: str                       # one line: what it is
-    checkpoint: str = "full"           # full: rank 0 writes model.pt; sharded: a shard per rank; deepspeed, dcp: theirs
+    checkpoint: str = "full"           # full: model.pt, optimizer.pt (rank 0, the last); sharded: a shard per rank; deepspeed, dcp: theirs
     reference: str | None = None       # what a comparison checks it against (None: nothing)
     zero_stage: int = 0                # 0 replicated ... 3 parameters sharded too
     hybrid: bool = False               # on a 2-D mesh: shard groups of strategy.shard_size, replicated
