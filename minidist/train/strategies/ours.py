@@ -85,9 +85,10 @@ class ShardedModelState:
         return self.model.full_state_dict(rank0_only=True)
 
     def optimizer_state_dict(self, on=0):
-        """Each of model.optimizers' whole state (one, or optim=muon's two numbered on as one)."""
+        """Each of model.optimizers' whole state (one, or optim=muon's two numbered on as one), on
+        rank `on` of the shard group (of each replica's, with a mesh; of the worker's, in DiLoCo)."""
         states = [self.model.full_optim_state_dict(o, rank0_only=on == 0) for o in self.model.optimizers]
-        return merged_state_dicts(states) if self.ctx.rank == on else {}
+        return merged_state_dicts(states) if self.model.rank == on else {}
 
     def load_full_state_dict(self, state):
         self.model.load_full_state_dict(state)
