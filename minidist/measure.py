@@ -140,7 +140,7 @@ class CommRecord:
     issued: float         # perf_counter() when the call was made
     completed: float | None = None  # when it returned (sync) or wait() returned (async)
     sent_bytes: float = 0.0         # bytes this rank sends under the ring model
-    algorithm: str = "backend"      # "backend" (torch.distributed's collective) or "ring" (minidist.comm.ring)
+    algorithm: str = "backend"      # "backend" (torch.distributed's collective), "ring" or "shm" (minidist.comm's)
     blocked_s: float = 0.0          # time the caller was blocked on it: a sync call's duration, or time in wait()
     group_ranks: tuple = ()         # the group's members, as world ranks (tells a mesh's groups apart)
     # On NCCL the host is never blocked (wait() only makes the current stream wait): the time the

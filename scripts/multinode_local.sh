@@ -167,6 +167,8 @@ for s, summary in summaries.items():
               "are not minidist's)")
         continue
     theory = float(summary["comm/cross_host_bytes_per_step"])
+    print(f"{s}: of the bytes sent, through shared memory (a host's own groups): "
+          f"{float(summary['comm/shm_share']):.1%}")
     packets = float(summary["comm/cross_host_packets_per_step"])
     high = theory + 2 * 66 * packets + SLACK
     ok = theory <= measured <= high

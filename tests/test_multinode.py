@@ -59,6 +59,12 @@ def test_two_emulated_hosts_train_like_one(tmp_path):
     for name in ("ddp", "zero2", "zero3", "hsdp2", "hsdp3", "ddp_hierarchical"):
         line = next((l for l in out.stdout.splitlines() if l.startswith(f"{name}: cross-host bytes per step")), "")
         assert "measured" in line and "theory" in line and line.endswith(": within)"), (name, out.stdout[-3000:])
+    # Inside a host shared memory, across hosts the network: the hybrid strategies' shard groups (one
+    # per host) reduce through shared memory; the flat ones' groups span both hosts: none of theirs.
+    for name in ("ddp", "zero2", "zero3", "hsdp2", "hsdp3", "ddp_hierarchical"):
+        share = float(out.stdout.split(f"{name}: of the bytes sent, through shared memory (a host's own groups): ")[1]
+                      .split("%")[0])
+        assert (share > 0) == name.startswith(("hsdp", "ddp_hier")), (name, share)
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{prefix}h1" not in listing and f"{prefix}h2" not in listing  # cleaned up
 

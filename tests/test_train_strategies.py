@@ -98,6 +98,8 @@ def test_strategies_train_alike(ranks, tmp_path):
     for strategy in ("ddp", "zero2", "native_ddp"):
         out = ranks(2).run(train_on_rank, tiny(strategy=strategy), str(tmp_path / strategy), timeout_s=180)
         finals[strategy] = out[0]["full_state"]
+        if strategy != "native_ddp":  # (whose collectives are not traced) ranks on one host: shared memory
+            assert out[0]["comm/shm_share"] > 0.5, out[0]
     for name in ("zero2", "native_ddp"):
         for key, ref in finals["ddp"].items():
             diff = (finals[name][key] - ref).abs().max().item()

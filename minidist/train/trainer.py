@@ -147,6 +147,7 @@ class Trainer:
         # This run's traced bytes by op, all steps together: per step on average is what a strategy
         # that communicates every H steps sends (DiLoCo), where the last log window's may not be.
         self.sent_by_op: dict[str, float] = {}
+        self.sent_by_shm = 0.0  # of those bytes, the ones through shared memory (ranks on one host)
         self.traced_steps = 0
         self.peak_tflops = peak_tflops(t.peak_tflops, ctx.device, t.precision)  # for MFU
         if self.peak_tflops is None:
@@ -390,6 +391,7 @@ class Trainer:
                 self.traced_steps += 1
                 for op, row in m.comm.summary().items():
                     self.sent_by_op[op] = self.sent_by_op.get(op, 0.0) + row["sent_bytes"]
+                self.sent_by_shm += sum(r.sent_bytes for r in m.comm.records if r.algorithm == "shm")
             unchecked.append((self.step, m.grad_norm, m.loss))
             log_now = self.step % t.log_every == 0 or self.step == end
             eval_now = t.eval_batches and ((t.eval_every and self.step % t.eval_every == 0) or self.step == end)
@@ -441,6 +443,7 @@ class Trainer:
             summary["comm/steps"] = self.traced_steps
             summary.update({f"comm/{op}_bytes_per_step": b / self.traced_steps
                             for op, b in self.sent_by_op.items() if b})
+            summary["comm/shm_share"] = self.sent_by_shm / max(1.0, sum(self.sent_by_op.values()))
         summary["time/clock"] = clock_name(self.ctx.device)
         summary["memory/model_state_bytes"] = self.strategy.memory_report()["total"]
         summary["memory/peak_bytes"] = peak_memory_bytes(self.ctx.device)
