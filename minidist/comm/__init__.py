@@ -223,12 +223,13 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return _finish(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), rec, async_op)
 
 
-def max_over_ranks(value: float, group=None) -> float:
-    """The largest of every rank's `value` (a collective: every rank of `group` must call it). The
-    small tensor lives where the backend takes it (control_device: the rank's GPU under nccl)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=control_device(group))
+def max_over_ranks(*values: float, group=None) -> float | tuple[float, ...]:
+    """The largest of every rank's `value` (a collective: every rank of `group` must call it); of
+    several values, each one's, in one all_reduce. The small tensor lives where the backend takes
+    it (control_device: the rank's GPU under nccl)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=control_device(group))
     all_reduce(t, op=ReduceOp.MAX, group=group)
-    return t.item()
+    return t.item() if len(values) == 1 else tuple(t.tolist())
 
 
 def _wire_for_sum(op_name: str, op, wire_dtype) -> "_wire.Wire | None":

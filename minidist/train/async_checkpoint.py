@@ -2,7 +2,8 @@
 
     checkpoints = AsyncCheckpoints(run_dir, strategy)   # starts this rank's writer process
     checkpoints.save(step, meta)   # the state copied once into shared memory; the writer takes it from there
-    checkpoints.poll()             # after every step: one 8-byte agreement while a checkpoint is in flight
+    agreed = comm.max_over_ranks(checkpoints.progress())   # after a step, while one is in flight: the
+    checkpoints.advance(agreed)                            # trainer's agreement, beside the stop signals'
     checkpoints.wait()             # a stop, the end of the run: the checkpoint in flight, committed
     checkpoints.close()
 
@@ -145,7 +146,7 @@ class AsyncCheckpoints:
     def __init__(self, run_dir: Path, strategy, writer: tuple | None = None):
         """`writer`: what start_writer gave, started early; else one is started now."""
         self.run_dir, self.strategy, self.rank = Path(run_dir), strategy, strategy.ctx.rank
-        self.blocked_s = 0.0   # training time spent in save / poll / wait (the end of the run's wait: none)
+        self.blocked_s = 0.0   # training's time in save, progress, advance, wait (the end of the run's wait: none)
         self.write_s = 0.0     # the writer's time, writing and committing
         self._flight: Flight | None = None
         self._removals = 0     # rank 0: pruned checkpoints the writer is still deleting
@@ -171,16 +172,21 @@ class AsyncCheckpoints:
         self.blocked_s += time.perf_counter() - start
         return checkpoint_folders(self.run_dir, step)[0]
 
-    def poll(self) -> tuple[int, Path] | None:
-        """After a step, on every rank: the checkpoint in flight moved on where every rank's part
-        of it is done; (its step, its folder) once committed, else None. One 8-byte all_reduce
-        while a checkpoint is in flight; nothing otherwise."""
-        if self._flight is None:
-            return None
+    def progress(self) -> float:
+        """This rank's part of the checkpoint in flight, the writer's replies taken (no waiting):
+        0 done, 1 busy, 2 failed. The caller's agreement takes every rank's largest, for advance()."""
+        start = time.perf_counter()
+        self._settle(block=False)
+        self.blocked_s += time.perf_counter() - start
+        return self._part()
+
+    def advance(self, agreed: float) -> tuple[int, Path] | None:
+        """After a step, on every rank, with the largest of every rank's progress() (the trainer
+        agrees on it beside the stop signals: no collective of its own): the checkpoint in flight
+        moved on where every rank's part of it is done; (its step, its folder) once committed."""
         start = time.perf_counter()
         try:
-            self._settle(block=False)
-            return self._agree()
+            return self._agree(agreed)
         finally:
             self.blocked_s += time.perf_counter() - start
 
@@ -191,7 +197,7 @@ class AsyncCheckpoints:
         try:
             while self._flight is not None:
                 self._settle(block=True)
-                done = self._agree()  # every rank's part done: never "busy"
+                done = self._agree(comm.max_over_ranks(self._part()))  # every rank's part done: never "busy"
             while self._removals:  # rank 0: no checkpoint beyond keep_last left behind
                 self._settle(block=True)
             return done
@@ -260,10 +266,13 @@ class AsyncCheckpoints:
             if reply["op"] == "written" and f.error is None and f.before_commit is not None:
                 f.before_commit()
 
-    def _agree(self) -> tuple[int, Path] | None:
-        """Every rank's state of the flight, agreed (max: 0 done, 1 busy, 2 failed), and acted on."""
+    def _part(self) -> float:
         f = self._flight
-        agreed = comm.max_over_ranks(2.0 if f.error is not None else 0.0 if f.done else 1.0)
+        return 2.0 if f.error is not None else 0.0 if f.done else 1.0
+
+    def _agree(self, agreed: float) -> tuple[int, Path] | None:
+        """The flight moved on as every rank's progress, agreed (the largest), says."""
+        f = self._flight
         if agreed == 1.0:
             return None
         final, tmp = checkpoint_folders(self.run_dir, f.step)

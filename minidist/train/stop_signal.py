@@ -3,7 +3,7 @@ checkpointed, and the run ends in one line.
 
     with StopSignals(grace_s=25) as stop:        # a rank's main thread, around its whole run
         stop.where = lambda: f"after step {step}"   # what a forced stop's line says
-        signum = stop.agreed(group)              # after each step, on every rank: a collective
+        signum = comm.max_over_ranks(stop.requested)   # after each step, on every rank: a collective
 
 The signals, the forced ways out and the watcher thread: docs/internals.md, "train/stop_signal.py".
 """
@@ -74,19 +74,6 @@ class StopSignals:
         os.write(self._write, b"\0")  # wakes the watcher, which sees it is no longer needed
         self._watcher.join(timeout=5)
         os.close(self._read), os.close(self._write)
-
-    # ------------------------------------------------------------------ the agreement
-
-    def agreed(self, group=None) -> int:
-        """The stop signal any rank has received (the largest number; 0: none). A collective:
-        every rank calls it after the same step, so all of them stop after the same one."""
-        import torch
-
-        from minidist import comm
-
-        flag = torch.tensor([self.requested], dtype=torch.int64)
-        comm.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-        return int(flag.item())
 
     # ------------------------------------------------------------------ the watcher
 

@@ -134,9 +134,9 @@ class Trainer:
             stop.where = lambda: f"after step {self.step}"
             stop.latest = lambda: latest_checkpoint(self.run_dir)
             stop.on_stuck = lambda line: write_record(self.run_dir, ctx.rank, "stuck", self.step, line)
-            # The agreement is a CPU tensor's all_reduce: on NCCL, over a gloo group of its own.
-            self._stop_group = None if ctx.backend == "gloo" else torch.distributed.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=float(cfg.launcher.timeout_s)))
+        # The agreement between steps is a CPU tensor's all_reduce: on NCCL, over a gloo group of its own.
+        self._stop_group = None if stop is None or ctx.backend == "gloo" else torch.distributed.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=float(cfg.launcher.timeout_s)))
         debug = cfg.get("debug")
         self.faults = FaultPlan(debug)  # debug.kill_* / stall_* / nan_*: fault injection
         if debug is not None and debug.get("check_collectives"):
@@ -367,7 +367,7 @@ class Trainer:
         unchecked: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, grad norm, loss) not yet read
         start = self.step
         while self.step < end:
-            if self.stop is not None and (signum := self._stop_agreed()):
+            if signum := self._agreed_between_steps():
                 return self._stopped(signum)
             if self.live is not None:  # this step's quorum (and heal) first; its batches follow from it
                 batches = self.live.begin_step()
@@ -383,9 +383,6 @@ class Trainer:
             if m.cross_host is not None and self.step > start + 1:  # the steps the counters span
                 self.cross_host_theory.append(m.cross_host)
             self.faults.maybe_kill(self.run_dir, self.fault_rank, self.step)
-            if self.checkpoints is not None:  # a write every rank has finished: committed now
-                with self._collectives_named([], self.step):
-                    self._committed(self.checkpoints.poll())
             history.append(m)
             if m.comm is not None:
                 self.traced_steps += 1
@@ -450,10 +447,19 @@ class Trainer:
         self.log.finish(summary)
         return summary
 
-    def _stop_agreed(self) -> int:
-        """Has any rank received a stop signal? (StopSignals.agreed: a collective, after every step.)"""
+    def _agreed_between_steps(self) -> int:
+        """One collective between steps, on every rank: the stop signal any rank has received (0:
+        none) and, with a checkpoint in flight, how far every rank's writer got (a write every rank
+        has finished: committed now), in one all_reduce."""
+        flight = self.checkpoints if self.checkpoints is not None and self.checkpoints.in_flight else None
+        if self.stop is None and flight is None:
+            return 0
         with self._collectives_named([], self.step + 1):
-            return self.stop.agreed(self._stop_group)
+            signum, progress = comm.max_over_ranks(self.stop.requested if self.stop is not None else 0,
+                                                   flight.progress() if flight is not None else 0, group=self._stop_group)
+            if flight is not None:
+                self._committed(flight.advance(progress))
+        return int(signum)
 
     def _stopped(self, signum: int) -> dict:
         """A stop signal reached some rank: checkpoint the step every rank has finished (unless it
