@@ -5,13 +5,19 @@ checkpoint, which trainer.resume=auto picks; summary.json says how long training
 
 import json
 import os
+import socket
 import subprocess
+import threading
 import time
+import types
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
 
 import pytest
 import torch
 
-from minidist.train.async_checkpoint import Staging, unstaged
+from minidist.train import async_checkpoint
+from minidist.train.async_checkpoint import AsyncCheckpoints, Staging, message, parsed, unstaged
 from minidist.train.checkpoint import list_checkpoints
 from minidist.train.checkpoint_safety import describe_files, file_digest
 from minidist.train.checkpoint_safety import save_tensors
@@ -121,6 +127,59 @@ def test_the_state_is_staged_once_into_a_reused_buffer_and_the_writer_reads_it_b
     tensors, skeleton, fresh = staging.stage(grown)  # more than fits: a fresh buffer, never a wrong copy
     assert fresh and torch.equal(unstaged(staging.buffer, tensors, skeleton)["model.pt"]["w"], grown["model.pt"]["w"])
     staging.close()
+
+
+class SlowWriter:
+    """A stand-in writer process (a thread on the other end of the socket): every write takes
+    WRITE_S, every other request none."""
+
+    WRITE_S = 0.4
+    pid = 0
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        self.conn, self._theirs = Connection(ours.detach()), Connection(theirs.detach())
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                header, _ = parsed(self._theirs.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if header["op"] == "buffer":
+                os.close(recv_handle(self._theirs))
+                continue
+            time.sleep(self.WRITE_S if header["op"] == "write" else 0)
+            reply = {"write": "written", "commit": "committed"}.get(header["op"], "removed")
+            self._theirs.send_bytes(message({"op": reply, "seconds": 0.0}))
+
+    def poll(self):
+        return None
+
+    def kill(self):
+        self._theirs.close()
+
+    def wait(self, timeout=None):
+        return 0
+
+
+def test_a_save_that_waits_for_the_checkpoint_in_flight_counts_that_wait_once(tmp_path, monkeypatch):
+    """checkpoint/blocked_s: a save's wait for the previous checkpoint is training blocked, once
+    (it was counted twice: by the wait, then by the save around it)."""
+    monkeypatch.setattr(async_checkpoint, "begin_save", lambda run_dir, step, strategy: tmp_path / f"{step}.tmp")
+    monkeypatch.setattr(async_checkpoint, "collect_files", lambda strategy, step, meta: {"x.pt": torch.ones(8)})
+    monkeypatch.setattr(async_checkpoint.comm, "max_over_ranks", lambda value, group=None: value)  # one rank
+    writer = SlowWriter()
+    strategy = types.SimpleNamespace(ctx=types.SimpleNamespace(rank=0, world_size=1))
+    checkpoints = AsyncCheckpoints(tmp_path, strategy, writer=(writer, writer.conn))
+    start = time.perf_counter()
+    checkpoints.save(1, {})
+    checkpoints.save(2, {})  # the first still being written: waits for it
+    took = time.perf_counter() - start
+    assert took >= SlowWriter.WRITE_S and checkpoints.blocked_s <= took
+    assert checkpoints.wait(training=False)[0] == 2
+    checkpoints.close()
 
 
 def test_the_manifest_entry_hashed_while_writing_is_the_files(tmp_path):

@@ -456,7 +456,8 @@ class Trainer:
             return 0
         with self._collectives_named([], self.step + 1):
             signum, progress = comm.max_over_ranks(self.stop.requested if self.stop is not None else 0,
-                                                   flight.progress() if flight is not None else 0, group=self._stop_group)
+                                                   flight.progress() if flight is not None else 0,
+                                                   group=self._stop_group)
             if flight is not None:
                 self._committed(flight.advance(progress))
         return int(signum)
