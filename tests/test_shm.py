@@ -213,9 +213,12 @@ def test_a_full_dev_shm_falls_back_to_gloo(ranks):
 
 def test_every_sleeping_waiter_is_woken_by_the_arrival(tmp_path, monkeypatch):
     """Ranks 0 and 1 sleep on rank 2's word (past their spins); rank 2's arrival must wake both at
-    once, not one (FUTEX_WAKE's count), the other left to its timed check."""
+    once, not one (FUTEX_WAKE's count), the other left to its timed check. A waiter woken by an
+    arrival goes on without reading /proc (its peer's liveness: only after a wait that saw none)."""
     monkeypatch.setattr(shm, "SPINS", 0)
     monkeypatch.setattr(shm, "CHECK_S", 6.0)
+    checked = []
+    monkeypatch.setattr(shm, "process_alive", lambda pid: checked.append(pid) or True)
     size = shm.header_bytes(3) + 2 * 3 * SLOT
     (tmp_path / "segment").write_bytes(b"\0" * size)
     mm = mmap.mmap(os.open(tmp_path / "segment", os.O_RDWR), size)
@@ -235,4 +238,4 @@ def test_every_sleeping_waiter_is_woken_by_the_arrival(tmp_path, monkeypatch):
     shm.Channel(mm, [0, 1, 2], 0, pids, 30.0, SLOT).barrier("test", 7)
     took = time.monotonic() - began
     assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids[1:]] == [0, 0]
-    assert took < 5.0
+    assert took < 5.0 and checked == []

@@ -90,6 +90,8 @@ class Channel:
                 spins += 1
                 if spins > SPINS:
                     _futex(line, 0, seen, CHECK_S)
+                    if line[0] != seen:  # woken by its arrival: reading /proc costs more than a small collective
+                        continue
                     if not process_alive(self.pids[q]):
                         self._fail(f"shared-memory {what}: peer rank {self.ranks[q]} (pid {self.pids[q]}) exited "
                                    "mid-collective")
