@@ -86,8 +86,9 @@ MUTATIONS = [
              "training thread)", "minidist/train/async_checkpoint.py", "staged_view(self.buffer, *at).copy_(t.detach())",
              "fresh or staged_view(self.buffer, *at).copy_(t.detach())", ("tests/test_async_checkpoint.py",)),
     Mutation("async_save_wait_counted_twice", "summary.json's checkpoint/blocked_s counts an async save's wait once",
-             "minidist/train/async_checkpoint.py", "        self.wait(training=False)  # (it blocks training",
-             "        self.wait()  # (it blocks training", ("tests/test_async_checkpoint.py",)),
+             "minidist/train/async_checkpoint.py", "        self.wait()  # the checkpoint in flight, finished: training "
+             "blocked, counted there\n        start = time.perf_counter()\n",
+             "        start = time.perf_counter()\n        self.wait()\n", ("tests/test_async_checkpoint.py",)),
     Mutation("stage3_forward_agreement_skipped", "a stage-3 forward on one rank stops every rank, naming the fix",
              "minidist/parallel/zero3.py", '        if self.world_size == 1 or dist.get_backend(self.process_group) '
              '!= "gloo":', "        if True:", ("tests/test_client_scripts.py", "tests/test_zero.py")),

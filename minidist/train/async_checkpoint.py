@@ -162,8 +162,8 @@ class AsyncCheckpoints:
         folder agreed on, then this rank's state copied once; the writer does the rest.
         `before_commit()` runs on each rank once its writer has written its files (fault
         injection: debug.kill_during=save). Returns the folder it will be once committed."""
+        self.wait()  # the checkpoint in flight, finished: training blocked, counted there
         start = time.perf_counter()
-        self.wait(training=False)  # (it blocks training: counted once, in this save's time)
         tmp = begin_save(self.run_dir, step, self.strategy)
         tensors, skeleton, fresh = self._staging.stage(collect_files(self.strategy, step, meta))
         self._flight = Flight(step, before_commit)
