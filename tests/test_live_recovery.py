@@ -264,7 +264,7 @@ def test_the_participation_log_replayed_without_faults_ends_in_the_same_state(tm
     out = ft_run(run_dir, *steps, "debug.kill_rank=1", "debug.kill_at_step=10", "ft.relaunch=false",
                  nproc=2, group_size=1)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "live recovery: 2 groups x 1 ranks; failures survived 0" in out.stderr and "groups [1] failed" in out.stderr
+    assert "live recovery: 2 groups x 1 rank; failures survived 0" in out.stderr and "groups [1] failed" in out.stderr
     assert {s: len(groups) for s, groups in read_participation(run_dir).items()} == {
         s: 2 if s <= 10 else 1 for s in range(1, 31)}
     replay = ft_run(tmp_path / "replay", *steps, f"ft.replay={run_dir}", nproc=2, group_size=1)

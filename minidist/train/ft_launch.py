@@ -167,7 +167,7 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int, entry) -
             lighthouse.shutdown()
     seen = summarize(run_dir)
     heal = f", heal {seen['heal_s_median']:.1f} s median" if seen["heal_s_median"] is not None else ""
-    print(f"live recovery: {groups} groups x {size} ranks; failures survived {len(relaunched)}, steps discarded "
-          f"{seen['steps_discarded']}{heal}" + (f"; groups {sorted(failed)} failed" if failed else ""),
+    print(f"live recovery: {groups} groups x {size} rank{'s' * (size > 1)}; failures survived {len(relaunched)}, "
+          f"steps discarded {seen['steps_discarded']}{heal}" + (f"; groups {sorted(failed)} failed" if failed else ""),
           file=sys.stderr, flush=True)
     return 0 if finished else 1
