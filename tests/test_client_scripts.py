@@ -153,6 +153,13 @@ def test_nanogpt_rank0_evaluation_at_stage3_fails_on_every_rank_naming_the_fix(r
         assert len(message.splitlines()) == 1
 
 
+# torch 2.14's gloo now and then aborts a rank as a script destroys its process group at the end:
+# 2 of 30 runs of a 12-line native DDP script under torchrun here, and the native tutorial 1 of 16
+# (its port, 0 of 16). The native runs are the reference here, not what is tested: such a run is run
+# once more, in a folder of its own (the tutorial resumes from a snapshot it finds).
+TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun(script: str, *args: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(HERE, "client_scripts")}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -174,6 +181,10 @@ def test_client_scripts_under_torchrun(tmp_path):
             d = tmp_path / f"{script}_{wrap}"
             d.mkdir()
             done = torchrun(script, *args, "--wrap", wrap, "--out", "final.pt", cwd=d)
+            if wrap == "native" and done.returncode != 0 and TORCH_TEARDOWN_ABORT in done.stderr:
+                d = tmp_path / f"{script}_{wrap}_again"
+                d.mkdir()
+                done = torchrun(script, *args, "--wrap", wrap, "--out", "final.pt", cwd=d)
             assert done.returncode == 0, f"{script} --wrap {wrap}:\n" + done.stderr[-3000:]
             finals[wrap] = torch.load(d / "final.pt", weights_only=True)
         assert_same(finals[how], finals["native"], f"{script} --wrap {how}", tol)
