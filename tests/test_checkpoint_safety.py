@@ -174,7 +174,6 @@ def test_every_file_and_folder_is_synced_to_disk(tmp_path, monkeypatch):
     assert {s.rstrip("/") for s in synced} == {e.rstrip("/") for e in expected}
 
 
-
 def resident_pages(path) -> int:
     """How many of `path`'s pages are in the page cache (mincore over a mapping of the file)."""
     import ctypes
@@ -194,6 +193,8 @@ def test_a_file_synced_to_disk_leaves_the_page_cache(tmp_path):
     """A checkpoint's files, once fsynced, are dropped from memory (a checkpoint kept there makes
     the next one's pages cost the writer more: checkpoint.sync_to_disk)."""
     import os
+    # The control drops its pages by hand, not through sync_to_disk: were sync_to_disk to keep them,
+    # this test must fail, not skip.
     control = tmp_path / "control.bin"
     control.write_bytes(os.urandom(1 << 20))
     fd = os.open(control, os.O_RDONLY)
@@ -208,6 +209,7 @@ def test_a_file_synced_to_disk_leaves_the_page_cache(tmp_path):
     assert resident_pages(model) > 0  # written: in the page cache
     checkpoint.sync_to_disk(tmp_path / "ckpt")
     assert resident_pages(model) == 0
+
 
 def test_resume_auto_falls_back_to_the_newest_readable_checkpoint(checkpoints, tmp_path, capsys):
     from minidist.train.config_check import resolve_resume
