@@ -245,15 +245,42 @@ def test_trainer_options_on_cuda(nccl_pool, tmp_path, case):
 
 
 @needs_cuda
+@pytest.mark.parametrize("checkpoint_async", [False, True])
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_checkpoint_round_trip_on_cuda_is_exact(nccl_pool, tmp_path, strategy):
-    """4 steps straight, or 2, a checkpoint (sharded for ZeRO), and 2 more resumed: the same state."""
+def test_checkpoint_round_trip_on_cuda_is_exact(nccl_pool, tmp_path, strategy, checkpoint_async):
+    """4 steps straight, or 2, a checkpoint (sharded for ZeRO; async: staged in pinned memory,
+    written by the writer process), and 2 more resumed: the same state."""
     from train_cases import assert_same, tiny, train_on_rank
 
     straight = nccl_pool.run(train_on_rank, tiny("launcher.backend=nccl", "trainer.max_steps=4", strategy=strategy),
                              str(tmp_path / "straight"))[0]
     nccl_pool.run(train_on_rank, tiny("launcher.backend=nccl", "trainer.max_steps=4", "trainer.stop_at=2",
-                                      strategy=strategy), str(tmp_path / "resumed"))
+                                      f"trainer.checkpoint_async={checkpoint_async}", strategy=strategy),
+                  str(tmp_path / "resumed"))
     resumed = nccl_pool.run(train_on_rank, tiny("launcher.backend=nccl", "trainer.max_steps=4", strategy=strategy),
                             str(tmp_path / "resumed"), str(sorted((tmp_path / "resumed" / "checkpoints").iterdir())[-1]))[0]
     assert_same(resumed["full_state"], straight["full_state"])
+
+
+@needs_cuda
+def test_checkpoint_staging_pins_its_buffer_for_gpu_tensors():
+    """Async checkpoints stage GPU tensors into pinned shared memory (non-blocking copies, one
+    synchronisation), re-pin a grown buffer, and stage CPU-only state without touching CUDA's pinning."""
+    from minidist.train.async_checkpoint import Staging, staged_view, unstaged
+
+    staging = Staging()
+    tensors, skeleton, fresh = staging.stage({"model.pt": {"cpu": torch.ones(3)}})
+    assert fresh and not staging.pinned
+    live = {"model.pt": {"w": torch.randn(1000, 100, device="cuda"), "cpu": torch.arange(5.0)}}
+    tensors, skeleton, fresh = staging.stage(live)
+    assert fresh and staging.pinned and staged_view(staging.buffer, *tensors[0]).is_pinned()
+    before = live["model.pt"]["w"].cpu()
+    live["model.pt"]["w"].add_(1.0)  # training goes on, on the GPU: the staged copy does not move
+    back = unstaged(staging.buffer, tensors, skeleton)["model.pt"]
+    assert torch.equal(back["w"], before) and torch.equal(back["cpu"], live["model.pt"]["cpu"])
+    grown = {"model.pt": {"w": torch.randn(2000, 100, device="cuda")}}
+    tensors, skeleton, fresh = staging.stage(grown)
+    assert fresh and staging.pinned and staged_view(staging.buffer, *tensors[0]).is_pinned()
+    assert torch.equal(unstaged(staging.buffer, tensors, skeleton)["model.pt"]["w"], grown["model.pt"]["w"].cpu())
+    staging.close()
+    assert not staging.pinned and staging.buffer is None
