@@ -13,7 +13,8 @@
 # old checkpoints). Each stage has a time limit and its own log there; the last lines printed are
 # a PASS/FAIL table (what comes back from a remote run). Stages:
 #   versions   torch / CUDA / NCCL versions, the GPU and its compute capability
-#   tests      tests/test_gpu.py (the helpers on NCCL, DDP and ZeRO against native, sync-free steps, compile)
+#   tests      tests/test_gpu.py (the helpers on NCCL, DDP and ZeRO against native, sync-free steps, compile,
+#              checkpoints sync and async: the staging buffer pinned)
 #   tour       the primitives tour on nccl
 #   bench      the collective benchmark on nccl, sizes up to 64 MiB
 #   bf16       one sweep (recipes/train.py -m) over our and the native strategies in bf16, 20 steps
