@@ -216,6 +216,8 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, records, world_siz
     # one ends overlaps backward)
     backward_nodes = merge([span(e) for e in events if e["tid"] == main_tid
                             and e["name"].startswith("autograd::engine::evaluate_function")])
+    # when the step's thread issued each collective (when it ran is its thread's and the scheduler's)
+    issued = [(C10D_OPS[e["name"]], span(e)[0]) for e in events if e["tid"] == main_tid and e["name"] in C10D_OPS]
 
     per_op: dict = defaultdict(lambda: {"calls": 0, "bytes": 0, "sent_bytes": 0.0})
     for e in events if count_profiled else []:
@@ -246,7 +248,7 @@ def analyse(events: list[dict], anchor_us: float, ring_spans, records, world_siz
     end = max(b for _, _, b in phases)
     return {
         "step_s": end - start, "start_s": start,
-        "phases": phases, "compute": compute, "comm": comm_spans, "backward_nodes": backward_nodes,
+        "phases": phases, "compute": compute, "comm": comm_spans, "backward_nodes": backward_nodes, "issued": issued,
         "compute_s": length(compute), "comm_s": comm_s, "hidden_s": hidden_s,
         "exposed_comm_s": comm_s - hidden_s,
         "hidden_fraction": hidden_s / comm_s if comm_s > 0 else None,

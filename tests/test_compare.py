@@ -80,13 +80,20 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
                                                                            ["reduce_scatter"], rel=0.01)
     assert rows["zero3"]["bytes_per_step"]["all_gather"] == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=0.01)
     # Our ddp's timeline: buckets are reduced while autograd still produces gradients; without
-    # overlap, every all_reduce starts after the last backward node.
+    # overlap, every all_reduce is issued and starts after the last backward node. Issued: on
+    # every rank. Started (on gloo's thread, when the scheduler gives it a core: with one core per
+    # rank, once in a while only after a backward this short): seen on at least one rank.
+    ran_inside = []
     for rank in ("0", "1"):
         with_overlap, without = results["timelines"]["ddp"][rank], results["timelines"]["ddp_no_overlap"][rank]
         starts = lambda t: [a for name, a, _ in t["comm"] if name == "gloo:all_reduce"]
-        assert len(starts(with_overlap)) >= 3
-        assert min(starts(with_overlap)) < with_overlap["backward_nodes"][-1][1]
+        issued = lambda t: [at for op, at in t["issued"] if op == "all_reduce"]
+        assert len(starts(with_overlap)) >= 3 and len(issued(with_overlap)) == len(starts(with_overlap))
+        assert min(issued(with_overlap)) < with_overlap["backward_nodes"][-1][1]
+        assert min(issued(without)) >= without["backward_nodes"][-1][1]
         assert min(starts(without)) >= without["backward_nodes"][-1][1]
+        ran_inside.append(min(starts(with_overlap)) < with_overlap["backward_nodes"][-1][1])
+    assert any(ran_inside)
     trace = json.loads((run_dir / "timeline_ddp.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert any(e.get("name") == "gloo:all_reduce" for e in trace["traceEvents"])
@@ -227,6 +234,7 @@ def test_analyse_hidden_fraction_and_bytes():
     t = analyse(events, 0, [], [], world_size=2)
     assert t["hidden_fraction"] == pytest.approx(0.5) and t["exposed_comm_s"] == pytest.approx(1e-3)
     assert t["bytes"]["all_reduce"] == {"calls": 1, "bytes": 1000, "sent_bytes": 1000.0}
+    assert t["issued"] == [("all_reduce", 3e-3)]  # on the step's thread, when it was called
 
 
 def test_analyse_reads_the_gpu_kernels_when_the_trace_has_them():
