@@ -142,6 +142,9 @@ MUTATIONS = [
     Mutation("shm_sum_in_arrival_order", "shared-memory sums run in rank order on every rank",
              "minidist/comm/shm.py", "    fn(parts[0], parts[1], out=out)\n    for p in parts[2:]:",
              "    fn(parts[-1], parts[0], out=out)\n    for p in parts[1:-1]:", ("tests/test_shm.py",)),
+    Mutation("shm_half_rounded_per_addition", "shared-memory sums of bf16 / fp16 round once, in fp32",
+             "minidist/comm/shm.py", "if len(parts) > 2 and out.dtype in", "if False and out.dtype in",
+             ("tests/test_shm.py",)),
 ]
 
 

@@ -36,7 +36,8 @@ def in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def check_against_gloo():
     """Each collective through shm (small slots, so in pieces) against gloo's on the same group, and
-    the sum against the rank-order sum: bitwise at any world size (gloo's own at 2 ranks)."""
+    the sum against the rank-order sum: bitwise at any world size (gloo's own at 2 ranks); half
+    precision summed in fp32, rounded once."""
     saved, shm.SLOT_BYTES = shm.SLOT_BYTES, SLOT
     try:
         group = dist.new_group(list(range(dist.get_world_size())))  # a new segment with the small slots
@@ -74,6 +75,17 @@ def check_against_gloo():
         comm.broadcast(got, src=n - 1, group=group, algorithm="shm")
         if not torch.equal(got, everyone[n - 1]):
             failures.append(("broadcast", numel))
+    for dtype, tiny in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):  # half an ulp of 1
+        # Rank 0 holds 1, the others half an ulp each: summed in fp32 and rounded once they count
+        # (1 + 2 halves = 1 ulp at 3 ranks), where rounding after each addition loses every one.
+        mine = torch.full((2 * n,), 1.0 if r == 0 else tiny, dtype=dtype)
+        once = torch.tensor(1.0 + (n - 1) * tiny).to(dtype)
+        got, gloo, rows = mine.clone(), mine.clone(), torch.empty(2, dtype=dtype)
+        comm.all_reduce(got, group=group, algorithm="shm")
+        comm.all_reduce(gloo, group=group, algorithm="backend")
+        comm.reduce_scatter_tensor(rows, mine, group=group, algorithm="shm")
+        if not ((got == once).all() and (rows == once).all()) or (n == 2 and not torch.equal(got, gloo)):
+            failures.append((f"all_reduce / reduce_scatter {dtype}", 2 * n))
     strided = rank_input(r, 64).view(8, 8)[:, ::2]  # not contiguous: through a copy, written back
     comm.all_reduce(strided, group=group, algorithm="shm")
     if not torch.equal(strided, in_rank_order([rank_input(q, 64).view(8, 8)[:, ::2] for q in range(n)])):

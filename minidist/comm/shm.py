@@ -204,8 +204,15 @@ def _descriptor(op: str, *shape) -> int:
 
 
 def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op) -> None:
-    """out = ((parts[0] op parts[1]) op parts[2]) ...: the same order on every rank."""
+    """out = ((parts[0] op parts[1]) op parts[2]) ...: the same order on every rank. Half precision
+    is summed in fp32 and rounded once (as torch adds two halves: bitwise gloo's at 2 ranks)."""
     fn = REDUCE[op]
+    if len(parts) > 2 and out.dtype in (torch.bfloat16, torch.float16):
+        acc = parts[0].float()
+        for p in parts[1:]:
+            fn(acc, p, out=acc)
+        out.copy_(acc)
+        return
     fn(parts[0], parts[1], out=out)
     for p in parts[2:]:
         fn(out, p, out=out)
