@@ -83,8 +83,10 @@ MUTATIONS = [
              "minidist/parallel/buckets.py", "        self._sync_enabled = bool(value)\n", "        pass\n",
              ("tests/test_client_scripts.py",)),
     Mutation("checkpoint_staged_stale", "a background checkpoint holds its step's state (staged once, in the "
-             "training thread)", "minidist/train/async_checkpoint.py", "staged_view(self.buffer, *at).copy_(t.detach())",
-             "fresh or staged_view(self.buffer, *at).copy_(t.detach())", ("tests/test_async_checkpoint.py",)),
+             "training thread)", "minidist/train/async_checkpoint.py",
+             "staged_view(self.buffer, *at).copy_(t.detach(), non_blocking=self.pinned)",
+             "fresh or staged_view(self.buffer, *at).copy_(t.detach(), non_blocking=self.pinned)",
+             ("tests/test_async_checkpoint.py",)),
     Mutation("checkpoint_left_in_page_cache", "a checkpoint's files leave the page cache once on disk",
              "minidist/train/checkpoint.py", "os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)", "None",
              ("tests/test_checkpoint_safety.py",)),
