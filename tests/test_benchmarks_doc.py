@@ -4,6 +4,7 @@ committed data (docs/benchmarks/data/compare_*.json): no figure typed in by hand
 import importlib.util
 import json
 import re
+import sys
 
 import pytest
 
@@ -197,3 +198,17 @@ def test_a_template_is_filled_whole_and_refuses_a_hole_or_an_unsaid_figure(tmp_p
                          ({"x": 1, "more": False, "z": 3}, "nothing in it asks for: ['z']")):
         with pytest.raises(SystemExit, match=re.escape(said)):
             pipeline.fill("t.md", **values)
+
+
+
+def test_every_planted_defect_still_finds_the_line_it_patches(monkeypatch):
+    """docs/testing.md's mutation score holds while each of scripts/mutations.py's defects patches the
+    library as it is: its text stands exactly once in its file (a rewritten line otherwise stops the
+    script's run midway, found only when someone runs it)."""
+    spec = importlib.util.spec_from_file_location("mutations", ROOT / "scripts" / "mutations.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "mutations", module)  # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    found = {m.name: (ROOT / m.file).read_text().count(m.old) for m in module.MUTATIONS}
+    stale = {name: times for name, times in found.items() if times != 1}
+    assert found and not stale, f"update these mutations to the library (times found): {stale}"
