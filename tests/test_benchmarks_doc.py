@@ -200,7 +200,6 @@ def test_a_template_is_filled_whole_and_refuses_a_hole_or_an_unsaid_figure(tmp_p
             pipeline.fill("t.md", **values)
 
 
-
 def test_every_planted_defect_still_finds_the_line_it_patches(monkeypatch):
     """docs/testing.md's mutation score holds while each of scripts/mutations.py's defects patches the
     library as it is: its text stands exactly once in its file (a rewritten line otherwise stops the
