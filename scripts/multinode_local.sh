@@ -36,12 +36,12 @@ TOLERANCE=${TOLERANCE:-auto}
 TWINS=${TWINS:-all}
 PREFIX=${PREFIX:-md}
 TIMEOUT_S=${TIMEOUT_S:-300}
-OUT=${OUT:-$(mktemp -d /tmp/minidist-multinode.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 if [ "$(id -u)" != 0 ]; then  # before anything is read: this may run from stdin, as a user who cannot read the checkout
     echo "multinode_local: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
     exit 3
 fi
+OUT=${OUT:-$(mktemp -d /tmp/minidist-multinode.XXXXXX)}  # (after the check: a refusal leaves nothing behind)
 . scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 

@@ -25,7 +25,6 @@ REPS=${REPS:-5}
 TOLERANCE=${TOLERANCE:-0.25}
 PREFIX=${PREFIX:-ms}
 TIMEOUT_S=${TIMEOUT_S:-300}
-OUT=${OUT:-$(mktemp -d /tmp/minidist-validate-sim.XXXXXX)}
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 # glibc keeps the memory a rank frees instead of handing it back at once: otherwise each int8 coding
 # of the payload maps fresh pages, and its page faults were two thirds of the coding's time here
@@ -36,6 +35,7 @@ if [ "$(id -u)" != 0 ]; then
     echo "validate_sim: cannot create network namespaces here (needs root and 'ip netns'): run as root, e.g. sudo $0" >&2
     exit 3
 fi
+OUT=${OUT:-$(mktemp -d /tmp/minidist-validate-sim.XXXXXX)}  # (after the check: a refusal leaves nothing behind)
 . scripts/lib/python.sh  # PYTHON: .venv when present, else python3 on PATH, else "make setup first"
 source scripts/lib/netns.sh
 

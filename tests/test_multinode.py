@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -74,10 +75,13 @@ def test_without_root_it_says_so(script):
     # As user nobody when we are root. The script goes in on stdin: nobody may not be allowed
     # to read the checkout (a clone in a private temporary folder).
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    made = lambda: set(Path("/tmp").glob("minidist-multinode.*")) | set(Path("/tmp").glob("minidist-validate-sim.*"))  # noqa: E731
+    before = made()
     out = subprocess.run([*as_nobody, "bash", "-s"], input=(ROOT / "scripts" / script).read_text(), cwd="/",
                          env={**os.environ}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3, out.stderr
     assert f"{script.removesuffix('.sh')}: cannot create network namespaces here (needs root" in out.stderr
+    assert made() == before  # a refusal leaves no output folder behind
 
 
 def test_without_a_python_it_says_run_make_setup(tmp_path):
