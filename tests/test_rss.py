@@ -4,11 +4,14 @@ First the measurement itself: in a process started the way every strategy is mea
 RSS must rise by a tensor's size while it lives and fall back when it is freed.
 Then the target: every ZeRO stage's RSS within 1.15 x the ZeRO formula + 8 MiB + the
 buckets or units it keeps in flight, on every rank, at 4 ranks. And the ranks minidist starts
-itself: freed large blocks go back to the system (the allocator setting run_local gives them).
+itself: freed large blocks go back to the system (the allocator setting run_local gives them),
+and the folder torch's launcher needs is theirs to remove.
 """
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +74,31 @@ def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeyp
     assert seen == ({k: str(v) for k, v in MALLOC_ENV.items()} if users is None else
                     {"MALLOC_MMAP_THRESHOLD_": users, "MALLOC_TRIM_THRESHOLD_": None})
     assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == users and "MALLOC_TRIM_THRESHOLD_" not in os.environ
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_run_local_gives_torch_a_folder_of_its_own_and_removes_it(monkeypatch, tmp_path, fails):
+    """torch's elastic agent, left to choose, makes a /tmp/torchelastic_* folder per launch and leaves
+    it there: run_local hands it one in the temporary folder and removes it, whether the ranks
+    succeed or fail."""
+    import tempfile
+
+    import torch.distributed.launcher.api as launcher
+    from minidist.train.app import run_local
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+
+    def launch(config, entrypoint):
+        def ranks(*args):
+            seen.append(config.logs_specs.root_log_dir)
+            assert Path(seen[0]).is_dir() and Path(seen[0]).parent == tmp_path
+            if fails:
+                raise RuntimeError("a rank failed")
+            return {0: None}
+        return ranks
+
+    monkeypatch.setattr(launcher, "elastic_launch", launch)
+    with pytest.raises(RuntimeError, match="a rank failed") if fails else contextlib.nullcontext():
+        run_local(print, nproc=1)
+    assert seen and Path(seen[0]).name.startswith("minidist-launch-") and list(tmp_path.iterdir()) == []

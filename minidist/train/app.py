@@ -15,8 +15,10 @@ import difflib
 import math
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -59,16 +61,11 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     signal (FORWARDED_SIGNALS) is passed on to the ranks, which get `stop_grace_s` (and 5 s more)
     to stop before they are killed; then torch's SignalException is raised.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn", signals_to_handle=FORWARDED_SIGNALS,
-        shutdown_timeout=int(math.ceil(stop_grace_s)) + 5,
-    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # A failed rank has said what happened in one line and logged its traceback (the trainer's
     # run_rank does): the elastic agent's copy of that traceback would only bury the line.
@@ -79,11 +76,20 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     # For the ranks only (they inherit them); a user who set either has the allocator as they chose.
     ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
     os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
+    # torch's agent wants a folder (the ranks' error files); left to it, one stays in /tmp per run
+    logs = tempfile.mkdtemp(prefix="minidist-launch-")
     try:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+            monitor_interval=0.1, start_method="spawn", signals_to_handle=FORWARDED_SIGNALS,
+            shutdown_timeout=int(math.ceil(stop_grace_s)) + 5, logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
         return elastic_launch(config, entrypoint=fn)(*args)
     finally:
         for k in ours:  # this process keeps what it started with
             os.environ.pop(k, None)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 class RanksFailed(RuntimeError):
