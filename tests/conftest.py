@@ -16,7 +16,9 @@ machine much slower than the 2-core one it was set on).
 """
 
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,6 +49,15 @@ def pytest_configure(config):
                                        f"at most {LAUNCHES} in make test)")
     config.addinivalue_line("markers", "pool: runs on the warm rank pools (given to every test that uses `ranks`)")
     config._minidist_started = time.monotonic()
+    # The processes the tests start (native torchrun leaves a torchelastic_* folder per launch, scripts
+    # make mktemp folders) get a temporary folder of their own, removed at the end; pytest's own
+    # temporary folders stay where they were (asked for first, so this process keeps /tmp).
+    tempfile.gettempdir()
+    config._minidist_tmp = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="minidist-tests-")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(getattr(config, "_minidist_tmp", ""), ignore_errors=True)
 
 
 def _budgeted(config) -> bool:
