@@ -5,9 +5,10 @@ per op and size, beside a memcpy of the same bytes (the machine's limit on one h
     python recipes/bench_ring.py nproc=4 algorithms=[backend,shm,memcpy] sizes=[1048576,33554432]
     torchrun --nproc_per_node 4 recipes/bench_ring.py ops=[reduce_scatter]
 
-For every op and size, each round times each algorithm's call once, in an order rotated each
-round (so none always goes first), on the same buffers, after a barrier; a call's time is the
-slowest rank's. "memcpy" copies the op's bytes once per rank (all ranks at once, as the memory
+For every op and size, each round times each algorithm once, in an order rotated each round (so
+none always goes first), on the same buffers, after a barrier: `calls` calls back to back, as
+nccl-tests times its iterations (1: a call alone, its latency, the ranks' skew leaving the barrier
+included); a call's time is the slowest rank's, over `calls`. "memcpy" copies the op's bytes once per rank (all ranks at once, as the memory
 bus sees them during a collective). Reported per algorithm: the median time, busbw (nccl-tests'
 definition, as bench_collectives; memcpy: bytes copied per second) and the median of the
 per-round ratios backend / algorithm (the speed-up; > 1: faster than the backend) with its 95%
@@ -47,9 +48,10 @@ def bench_main(cfg_dict: dict) -> None:
     cfg = OmegaConf.create(cfg_dict)
     torch.set_num_threads(1)
     ctx = minidist.init_distributed(backend="gloo", timeout_s=cfg.timeout_s)
-    n, algorithms = ctx.world_size, list(cfg.algorithms)
+    n, algorithms, calls = ctx.world_size, list(cfg.algorithms), int(cfg.calls)
     others = [a for a in algorithms if a != "backend"]
-    minidist.print0(f"{' vs '.join(algorithms)}: {n} ranks, gloo, {cfg.warmup} warm-up + {cfg.rounds} paired rounds\n")
+    minidist.print0(f"{' vs '.join(algorithms)}: {n} ranks, gloo, {cfg.warmup} warm-up + {cfg.rounds} paired rounds of "
+                    f"{calls} call(s)\n")
     minidist.print0(f"{'op':<16}{'bytes':>11}" + "".join(f"{a + ' ms':>12}" for a in algorithms)
                     + "".join(f"{'backend/' + a:>16}" for a in others))
     rows = []
@@ -63,11 +65,12 @@ def bench_main(cfg_dict: dict) -> None:
                 for alg in rotated(algorithms, k):
                     comm.barrier()
                     start = time.perf_counter()
-                    call(alg)
-                    elapsed = slowest(time.perf_counter() - start)
+                    for _ in range(calls):
+                        call(alg)
+                    elapsed = slowest(time.perf_counter() - start) / calls
                     if k >= int(cfg.warmup):
                         times[alg].append(elapsed)
-            row = {"op": op, "bytes": s, "world_size": n, "rounds": int(cfg.rounds),
+            row = {"op": op, "bytes": s, "world_size": n, "rounds": int(cfg.rounds), "calls": calls,
                    "ms": {a: statistics.median(t) * 1e3 for a, t in times.items()},
                    "busbw_GBps": {a: s / statistics.median(t) / 1e9 * (1 if a == "memcpy" else comm.ring_bytes_sent(op, 1, n))
                                   for a, t in times.items()},
@@ -87,6 +90,8 @@ def main(cfg: DictConfig) -> None:
     require_known("algorithms", cfg.algorithms, ALGORITHMS)
     if "backend" not in cfg.algorithms:
         raise SystemExit("bench_ring: algorithms must include backend (every speed-up is over it)")
+    if int(cfg.calls) < 1:
+        raise SystemExit(f"bench_ring: calls={cfg.calls}: time at least 1 call per round (calls=1: each alone)")
     run_recipe(bench_main, cfg, path_keys=("out",))
 
 

@@ -351,7 +351,7 @@ def checkpoint_values() -> dict:
 SHM = DATA / "shm.json"
 SHM_SIZES = [1 << 20, 4 << 20, 32 << 20]
 SHM_BENCH = ["algorithms=[backend,shm,memcpy]", "ops=[all_reduce,reduce_scatter,all_gather,broadcast]",
-             f"sizes=[{','.join(map(str, SHM_SIZES))}]", "rounds=20"]
+             f"sizes=[{','.join(map(str, SHM_SIZES))}]", "rounds=20", "calls=20"]  # calls: as nccl-tests' iterations
 SHM_DDP = [*WIDE, "compare.strategies=[ddp,native_ddp]", "compare.steps=200"]
 SHM_ZERO = ["compare.strategies=[zero2,ds_zero2,zero3,native_fsdp]", "compare.steps=30"]
 SHM_PAIRS = 5  # DataParallel over native DDP: this many runs each way (shm, gloo), interleaved run by run
@@ -389,6 +389,7 @@ def shm_values() -> dict:
     r, p = results_of(SHM)
     t = SHM_TARGETS
     tables, checks = [], []
+    calls = next(iter(r["collectives"].values()))["rows"][0].get("calls", 1)  # (recorded since calls= existed)
     for n, d in r["collectives"].items():
         body = []
         for row in d["rows"]:
@@ -424,7 +425,9 @@ def shm_values() -> dict:
             f"{zero_now[k]['time_ratio']:.3f}; {'lower' if v['ratio'] < zero_now[k]['time_ratio'] else 'NOT lower'})"
             for k, v in r["zero"].items()]  # ours: the references have no ratio
     return dict(
-        shm=True, **made_by(p, "shm_"), shm_tables="\n\n".join(tables), shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
+        shm=True, **made_by(p, "shm_"), shm_tables="\n\n".join(tables),
+        shm_calls="one call (its latency: how far apart the ranks leave the barrier counts too)" if calls == 1 else
+        f"{calls} calls back to back (as nccl-tests times its iterations), the time per call", shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
         shm_target_gloo=f"{t['busbw_over_gloo']:g}", shm_target_memcpy=f"{t['of_memcpy']:.0%}",
         shm_ddp_command="python recipes/compare.py " + " ".join(SHM_DDP), shm_pairs=SHM_PAIRS,
         **{f"shm_ddp_{way}_{k}": v for way, d in ddp.items() for k, v in d.items()},
