@@ -425,9 +425,9 @@ def shm_values() -> dict:
             f"{zero_now[k]['time_ratio']:.3f}; {'lower' if v['ratio'] < zero_now[k]['time_ratio'] else 'NOT lower'})"
             for k, v in r["zero"].items()]  # ours: the references have no ratio
     return dict(
-        shm=True, **made_by(p, "shm_"), shm_tables="\n\n".join(tables),
+        shm=True, **made_by(p, "shm_"), shm_tables="\n\n".join(tables), shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
         shm_calls="one call (its latency: how far apart the ranks leave the barrier counts too)" if calls == 1 else
-        f"{calls} calls back to back (as nccl-tests times its iterations), the time per call", shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
+        f"{calls} calls back to back (as nccl-tests times its iterations), the time per call",
         shm_target_gloo=f"{t['busbw_over_gloo']:g}", shm_target_memcpy=f"{t['of_memcpy']:.0%}",
         shm_ddp_command="python recipes/compare.py " + " ".join(SHM_DDP), shm_pairs=SHM_PAIRS,
         **{f"shm_ddp_{way}_{k}": v for way, d in ddp.items() for k, v in d.items()},

@@ -49,9 +49,9 @@ def pytest_configure(config):
                                        f"at most {LAUNCHES} in make test)")
     config.addinivalue_line("markers", "pool: runs on the warm rank pools (given to every test that uses `ranks`)")
     config._minidist_started = time.monotonic()
-    # The processes the tests start (native torchrun leaves a torchelastic_* folder per launch, scripts
-    # make mktemp folders) get a temporary folder of their own, removed at the end; pytest's own
-    # temporary folders stay where they were (asked for first, so this process keeps /tmp).
+    # The processes the tests start get a temporary folder of their own, removed at the end: native
+    # torchrun leaves a torchelastic_* folder in it per launch. This process keeps its own (asked for
+    # first, so pytest's folders stay where they were).
     tempfile.gettempdir()
     config._minidist_tmp = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="minidist-tests-")
 
