@@ -9,10 +9,11 @@ For every op and size, each round times each algorithm once, in an order rotated
 none always goes first), on the same buffers, after a barrier: `calls` calls back to back, as
 nccl-tests times its iterations (1: a call alone, its latency, the ranks' skew leaving the barrier
 included); a call's time is the slowest rank's, over `calls`. "memcpy" copies the op's bytes once
-per rank (all ranks at once, as the memory bus sees them during a collective). Reported per algorithm: the median time, busbw (nccl-tests'
-definition, as bench_collectives; memcpy: bytes copied per second) and the median of the
-per-round ratios backend / algorithm (the speed-up; > 1: faster than the backend) with its 95%
-interval. Results land in the run directory (results.json).
+per rank (all ranks at once, as the memory bus sees them during a collective). Reported per
+algorithm: the median time, busbw (nccl-tests' definition, as bench_collectives; memcpy: bytes
+copied per second) and the median of the per-round ratios backend / algorithm (the speed-up;
+> 1: faster than the backend) with its 95% interval. Results land in the run directory
+(results.json).
 """
 
 from __future__ import annotations

@@ -26,11 +26,8 @@ def test_tiny_ring_benchmark(tmp_path):
 
 
 def test_fewer_than_one_call_per_round_is_refused_naming_the_way(monkeypatch):
-    import importlib.util
+    from test_train_recipe import recipe_main
 
-    spec = importlib.util.spec_from_file_location("recipe_bench_ring", ROOT / "recipes" / "bench_ring.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
     monkeypatch.setattr(sys, "argv", ["bench_ring.py"])
     with pytest.raises(SystemExit, match=r"^bench_ring: calls=0: time at least 1 call per round \(calls=1: each alone\)$"):
-        recipe.main(["calls=0"])
+        recipe_main("bench_ring")(["calls=0"])
