@@ -228,6 +228,7 @@ def test_every_sleeping_waiter_is_woken_by_the_arrival(tmp_path, monkeypatch):
     once, not one (FUTEX_WAKE's count), the other left to its timed check. A waiter woken by an
     arrival goes on without reading /proc (its peer's liveness: only after a wait that saw none)."""
     monkeypatch.setattr(shm, "SPINS", 0)
+    monkeypatch.setattr(shm, "YIELDS", 0)
     monkeypatch.setattr(shm, "CHECK_S", 6.0)
     checked = []
     monkeypatch.setattr(shm, "process_alive", lambda pid: checked.append(pid) or True)

@@ -31,7 +31,10 @@ SHM_DIR = Path(os.environ.get("MINIDIST_SHM_DIR", "/dev/shm"))
 PREFIX = "minidist-shm-"
 SLOT_BYTES = 2 << 20  # per rank and per set of slots: a larger collective goes through in pieces
 LINE = 64  # each rank's barrier count and piece descriptors on a cache line of their own
-SPINS = 200  # a barrier looks this often before it sleeps on the futex
+# A waiting barrier looks SPINS times in a tight loop (~2 us here), then until YIELDS looks giving
+# the CPU away between them (~0.25 ms: the peer, or this rank's training thread, may need this
+# core), then sleeps on the futex: a sleeper's wake-up costs more than a small collective.
+SPINS, YIELDS = 50, 1000
 CHECK_S = 0.05  # a sleeping waiter wakes this often to see whether the rank it waits for still lives
 _SYS_FUTEX = {"x86_64": 202}.get(platform.machine())  # x86-64's stores are seen in order: no fences needed
 REDUCE = {dist.ReduceOp.SUM: torch.add, dist.ReduceOp.PRODUCT: torch.mul,
@@ -88,7 +91,9 @@ class Channel:
             spins = 0
             while (seen := line[0]) < self.passed:
                 spins += 1
-                if spins > SPINS:
+                if SPINS < spins <= YIELDS:
+                    os.sched_yield()  # (lets go of the GIL too)
+                elif spins > YIELDS:
                     _futex(line, 0, seen, CHECK_S)
                     if line[0] != seen:  # woken by its arrival: reading /proc costs more than a small collective
                         continue
