@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 import threading
@@ -138,6 +139,18 @@ def process_alive(pid) -> bool:
         return Path(f"/proc/{int(pid)}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
     except (OSError, IndexError, ValueError, TypeError):
         return False
+
+
+def remove_left_by_dead(folder: Path, prefix: str) -> None:
+    """What a process of this user left in `folder` as `<prefix><its pid>-...` and could not remove
+    itself (kill -9): removed once that process is gone, never while it lives (another run's)."""
+    for path in Path(folder).glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-")[0]
+        try:
+            if pid.isdigit() and path.lstat().st_uid == os.getuid() and not process_alive(pid):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        except OSError:
+            pass
 
 
 def free_port() -> int:

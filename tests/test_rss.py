@@ -80,19 +80,25 @@ def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeyp
 def test_run_local_gives_torch_a_folder_of_its_own_and_removes_it(monkeypatch, tmp_path, fails):
     """torch's elastic agent, left to choose, makes a /tmp/torchelastic_* folder per launch and leaves
     it there: run_local hands it one in the temporary folder and removes it, whether the ranks
-    succeed or fail."""
+    succeed or fail; one a killed launcher left (kill -9) goes at the next launch, never a live one's."""
+    import subprocess
     import tempfile
 
     import torch.distributed.launcher.api as launcher
     from minidist.train.app import run_local
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for owner in (dead.pid, os.getpid()):
+        (tmp_path / f"minidist-launch-{owner}-abcd" / "attempt_0").mkdir(parents=True)
     seen = []
 
     def launch(config, entrypoint):
         def ranks(*args):
             seen.append(config.logs_specs.root_log_dir)
             assert Path(seen[0]).is_dir() and Path(seen[0]).parent == tmp_path
+            assert not (tmp_path / f"minidist-launch-{dead.pid}-abcd").exists()
             if fails:
                 raise RuntimeError("a rank failed")
             return {0: None}
@@ -101,4 +107,5 @@ def test_run_local_gives_torch_a_folder_of_its_own_and_removes_it(monkeypatch, t
     monkeypatch.setattr(launcher, "elastic_launch", launch)
     with pytest.raises(RuntimeError, match="a rank failed") if fails else contextlib.nullcontext():
         run_local(print, nproc=1)
-    assert seen and Path(seen[0]).name.startswith("minidist-launch-") and list(tmp_path.iterdir()) == []
+    assert seen and Path(seen[0]).name.startswith(f"minidist-launch-{os.getpid()}-")
+    assert [p.name for p in tmp_path.iterdir()] == [f"minidist-launch-{os.getpid()}-abcd"]

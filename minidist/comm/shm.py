@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.comm import ring
-from minidist.dist import process_alive
+from minidist.dist import process_alive, remove_left_by_dead
 
 SHM_DIR = Path(os.environ.get("MINIDIST_SHM_DIR", "/dev/shm"))
 PREFIX = "minidist-shm-"
@@ -128,17 +128,6 @@ def _host() -> str:
     return f"{socket.gethostname()}/{boot}/{os.stat('/proc/self/ns/net').st_ino}/{shm_dev}"
 
 
-def _remove_stale() -> None:
-    """Segments whose creator died before unlinking them (kill -9 within the set-up): never one whose
-    creator lives, so another run's set-up is never touched."""
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
-        try:
-            if path.stat().st_uid == os.getuid() and not process_alive(path.name[len(PREFIX):].split("-")[0]):
-                path.unlink()
-        except (OSError, ValueError):
-            pass
-
-
 def _timeout_s(group) -> float:
     try:
         return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
@@ -155,7 +144,7 @@ def _open(group) -> Channel | str:
     path, problem = None, None
     if me == 0:
         try:
-            _remove_stale()
+            remove_left_by_dead(SHM_DIR, PREFIX)  # (a creator killed within its set-up)
             path = SHM_DIR / f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:

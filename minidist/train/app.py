@@ -26,7 +26,7 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from minidist.dist import choose_backend, detect_launch, free_port, launch_rank
+from minidist.dist import choose_backend, detect_launch, free_port, launch_rank, remove_left_by_dead
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.config import ConfigError, compose_fresh, config_dir, typed_keys
 from minidist.train.config_check import resume_notice, validate
@@ -76,8 +76,10 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     # For the ranks only (they inherit them); a user who set either has the allocator as they chose.
     ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
     os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
-    # torch's agent wants a folder (the ranks' error files); left to it, one stays in /tmp per run
-    logs = tempfile.mkdtemp(prefix="minidist-launch-")
+    # torch's agent wants a folder (the ranks' error files); left to it, one stays in /tmp per run.
+    # Ours is removed at the end; a launcher killed (kill -9) leaves it to the next launch.
+    remove_left_by_dead(Path(tempfile.gettempdir()), "minidist-launch-")
+    logs = tempfile.mkdtemp(prefix=f"minidist-launch-{os.getpid()}-")
     try:
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex[:8],
