@@ -147,6 +147,8 @@ MUTATIONS = [
     Mutation("shm_half_rounded_per_addition", "shared-memory sums of bf16 / fp16 round once, in fp32",
              "minidist/comm/shm.py", "if len(parts) > 2 and out.dtype in", "if False and out.dtype in",
              ("tests/test_shm.py",)),
+    Mutation("leftovers_of_live_runs_removed", "what a killed run left is removed, never what a live run holds",
+             "minidist/dist.py", "and not process_alive(pid):", ":", ("tests/test_shm.py", "tests/test_rss.py")),
 ]
 
 
