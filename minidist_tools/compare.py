@@ -73,6 +73,7 @@ class ReplicaStep:
     seconds: float              # this rank's wall time of the step (synchronised on CUDA)
     blocked_s: float | None     # seconds blocked on communication (minidist.comm's tracer); None if it cannot see it
     sent_bytes: dict            # per op, the ring-model bytes this rank sent (the tracer's; {} if it cannot see it)
+    transports: set             # how its collectives ran ("shm", "ring", "backend": comm.choose_algorithm; the tracer's)
 
 
 class Replica:
@@ -95,7 +96,8 @@ class Replica:
         self.rng = torch.get_rng_state()
         traced = self.strategy.traces_comm
         return ReplicaStep(loss.float(), float(norm), seconds, tracer.blocked_s if traced else None,
-                           {op: row["sent_bytes"] for op, row in tracer.summary().items()} if traced else {})
+                           {op: row["sent_bytes"] for op, row in tracer.summary().items()} if traced else {},
+                           {r.algorithm for r in tracer.records if r.op not in ("barrier", "all_gather_object")})
 
 
 NO_OVERLAP = "_no_overlap"  # the timeline's extra, e.g. ddp_no_overlap: reducing every bucket after backward
@@ -159,7 +161,8 @@ def _compare(cfg, ctx) -> dict | None:
                     f"{cfg.data.name}, {ctx.world_size} rank(s), {ctx.backend}; {warmup} warm-up + {steps} timed "
                     f"steps, interleaved; global batch {int(t.micro_batch_size) * grad_accum * ctx.world_size}")
 
-    per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": [], "sent_bytes": []} for n in names}
+    per = {n: {"loss": [], "grad_norm": [], "step_s": [], "blocked_s": [], "sent_bytes": [], "transports": []}
+           for n in names}
     started = time.perf_counter()
     for step in range(warmup + steps):
         micro = data.micro_batches(batches, grad_accum, ctx.device)
@@ -172,6 +175,7 @@ def _compare(cfg, ctx) -> dict | None:
             if step >= warmup:
                 row["step_s"].append(slowest(m.seconds))
                 row["sent_bytes"].append(m.sent_bytes)
+                row["transports"] = sorted(set(row["transports"]) | m.transports)
                 if m.blocked_s is not None:
                     row["blocked_s"].append(comm.max_over_ranks(m.blocked_s))
         if ctx.rank == 0 and (step + 1) % max(1, (warmup + steps) // 5) == 0:

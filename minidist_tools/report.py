@@ -146,6 +146,8 @@ def build_rows(results: dict, compare_cfg) -> dict[str, dict]:
             "final_loss": per["loss"][-1],
             "step_s": _spread(per["step_s"]),
             "blocked_s": statistics.median(per["blocked_s"]) if per["blocked_s"] else None,
+            # how its collectives ran, as the tracer saw them (none: a reference, on its backend's own)
+            "transports": per.get("transports") or None,
             "comm_s": max(t["comm_s"] for t in ranks.values()),
             "exposed_comm_s": max(t["exposed_comm_s"] for t in ranks.values()),
             "hidden_fraction": statistics.mean(hidden) if hidden else None,
@@ -315,6 +317,22 @@ def targets_lines(rows: dict) -> list[str]:
     return out
 
 
+def transports_line(rows: dict, backend: str) -> str:
+    """How our strategies' collectives ran, as each one's tracer saw them (comm.choose_algorithm's
+    choice: shared memory between ranks of one host, our send/recv ring, or the backend's own), and
+    the references' (their backend's own); "" for a run recorded before transports were."""
+    said = {"shm": "shared memory", "ring": "our send/recv ring", "backend": f"{backend}'s own"}
+    by_how: dict[str, list[str]] = {}
+    for n, r in rows.items():
+        if r.get("transports"):
+            by_how.setdefault(" and ".join(said.get(t, t) for t in r["transports"]), []).append(n)
+    if not by_how:
+        return ""
+    ours = (f"every one of ours through {next(iter(by_how))}" if len(by_how) == 1 else
+            "; ".join(f"through {how}: {', '.join(names)}" for how, names in by_how.items()))
+    return f"{ours}; the references through {backend}'s own"
+
+
 def report_markdown(results: dict, rows: dict, environment: dict, command: str) -> str:
     headers, body = table_rows(rows)
     lines = [
@@ -329,6 +347,7 @@ def report_markdown(results: dict, rows: dict, environment: dict, command: str) 
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in environment.items()),
         "",
+        *([f"Collectives: {transports_line(rows, results['backend'])}.", ""] if transports_line(rows, "") else []),
         markdown_table(headers, body),
         "",
         "- *final param diff*: the largest |difference| of any parameter or buffer after the last step, "

@@ -72,6 +72,11 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
         assert 0.0 <= r["hidden_fraction"] <= 1.0 and r["exposed_comm_s"] >= 0
         assert r["model_state_bytes"]["total"] > 0 and r["peak_bytes"] >= r["model_state_bytes"]["parameters"]
     assert rows["ddp"]["final_param_diff"] == 0.0  # 2 ranks, same buckets order: bitwise
+    # How each sent its collectives, as its tracer saw them: ddp pinned to gloo's own; zero2 and zero3
+    # ("auto" on one host) their gradients and parameters through shared memory, the clipping norm's
+    # few bytes through gloo's own; the references (not traced) say nothing.
+    assert [rows[n]["transports"] for n in ("ddp", "zero2", "zero3", "native_ddp", "ds_zero2")] == \
+        [["backend"], ["backend", "shm"], ["backend", "shm"], None, None]
     # Bytes measured from the calls themselves, next to the ring-model theory.
     psi, n = results["psi"], results["world_size"]
     assert rows["ddp"]["bytes_per_step"]["all_reduce"] == pytest.approx(2 * (n - 1) / n * 4 * psi)
@@ -100,7 +105,8 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
 
     report = (run_dir / "report.md").read_text()
     for text in ("final param diff", "exposed comm", "Communication per optimizer step", "Model state per rank",
-                 "zero2 / ds_zero2", "deepspeed 0."):
+                 "zero2 / ds_zero2", "deepspeed 0.", "Collectives: through gloo's own: ddp; through gloo's own and "
+                 "shared memory: zero2, zero3; the references through gloo's own."):
         assert text in report, text
     with open(run_dir / "losses.csv") as f:
         table = list(csv.reader(f))
@@ -252,6 +258,17 @@ def test_analyse_reads_the_gpu_kernels_when_the_trace_has_them():
     t = analyse(events, 0, [], [], world_size=2)
     assert t["hidden_fraction"] == pytest.approx(0.5) and t["exposed_comm_s"] == pytest.approx(2e-3)
     assert t["clock"].startswith("GPU kernels") and t["compute"] == [(0.0, 6e-3)]
+
+
+def test_the_transports_line_says_how_ours_and_the_references_sent():
+    from minidist_tools.report import transports_line
+
+    rows = {"ddp": {"transports": ["shm"]}, "native_ddp": {"transports": None}, "zero2": {"transports": ["shm"]}}
+    assert transports_line(rows, "gloo") == "every one of ours through shared memory; the references through gloo's own"
+    rows["zero2"]["transports"] = ["backend", "ring"]
+    assert transports_line(rows, "gloo") == ("through shared memory: ddp; through gloo's own and our send/recv ring: "
+                                             "zero2; the references through gloo's own")
+    assert transports_line({"ddp": {"transports": None}}, "gloo") == ""  # a run recorded before transports were
 
 
 def test_references_and_theory():
