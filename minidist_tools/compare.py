@@ -97,7 +97,8 @@ class Replica:
         traced = self.strategy.traces_comm
         return ReplicaStep(loss.float(), float(norm), seconds, tracer.blocked_s if traced else None,
                            {op: row["sent_bytes"] for op, row in tracer.summary().items()} if traced else {},
-                           {r.algorithm for r in tracer.records if r.op not in ("barrier", "all_gather_object")})
+                           {r.algorithm for r in tracer.records if r.op not in ("barrier", "all_gather_object")}
+                           if traced else set())
 
 
 NO_OVERLAP = "_no_overlap"  # the timeline's extra, e.g. ddp_no_overlap: reducing every bucket after backward

@@ -320,7 +320,8 @@ def targets_lines(rows: dict) -> list[str]:
 def transports_line(rows: dict, backend: str) -> str:
     """How our strategies' collectives ran, as each one's tracer saw them (comm.choose_algorithm's
     choice: shared memory between ranks of one host, our send/recv ring, or the backend's own), and
-    the references' (their backend's own); "" for a run recorded before transports were."""
+    the references' (their backend's own; the tracer does not see them); "" for a run recorded before
+    transports were."""
     said = {"shm": "shared memory", "ring": "our send/recv ring", "backend": f"{backend}'s own"}
     by_how: dict[str, list[str]] = {}
     for n, r in rows.items():
@@ -330,11 +331,13 @@ def transports_line(rows: dict, backend: str) -> str:
         return ""
     ours = (f"every one of ours through {next(iter(by_how))}" if len(by_how) == 1 else
             "; ".join(f"through {how}: {', '.join(names)}" for how, names in by_how.items()))
-    return f"{ours}; the references through {backend}'s own"
+    references = any(not r.get("transports") for r in rows.values())
+    return ours + (f"; the references through {backend}'s own" if references else "")
 
 
 def report_markdown(results: dict, rows: dict, environment: dict, command: str) -> str:
     headers, body = table_rows(rows)
+    transports = transports_line(rows, results["backend"])
     lines = [
         f"# Comparison: {', '.join(results['strategies'])}",
         "",
@@ -347,7 +350,7 @@ def report_markdown(results: dict, rows: dict, environment: dict, command: str) 
         "",
         "Machine: " + ", ".join(f"{k} {v}" for k, v in environment.items()),
         "",
-        *([f"Collectives: {transports_line(rows, results['backend'])}.", ""] if transports_line(rows, "") else []),
+        *([f"Collectives: {transports}.", ""] if transports else []),
         markdown_table(headers, body),
         "",
         "- *final param diff*: the largest |difference| of any parameter or buffer after the last step, "

@@ -268,6 +268,7 @@ def test_the_transports_line_says_how_ours_and_the_references_sent():
     rows["zero2"]["transports"] = ["backend", "ring"]
     assert transports_line(rows, "gloo") == ("through shared memory: ddp; through gloo's own and our send/recv ring: "
                                              "zero2; the references through gloo's own")
+    assert transports_line({"ddp": {"transports": ["shm"]}}, "gloo") == "every one of ours through shared memory"
     assert transports_line({"ddp": {"transports": None}}, "gloo") == ""  # a run recorded before transports were
 
 
