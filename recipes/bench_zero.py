@@ -6,7 +6,7 @@
 
 Variants (each its own copy of the model and optimizer, all in this one process):
     ddp                  minidist.DataParallel + AdamW (the baseline for the stages)
-    zero1, zero2, zero3  minidist.ShardedDataParallel (collectives=auto: our send/recv ring on gloo)
+    zero1, zero2, zero3  minidist.ShardedDataParallel (collectives=auto: shared memory where the ranks share a host)
     zeroK_backend        the same stage with the backend's reduce_scatter / all_gather
     native_zero1         native DDP + torch.distributed.optim.ZeroRedundancyOptimizer
     native_fsdp          torch.distributed.fsdp.fully_shard on each block, then the root
@@ -34,7 +34,7 @@ from minidist_tools.benchmarking import (PeakSampler, live_tensor_bytes, paired_
                                          split_variant, strategy_options, write_json)
 
 VARIANTS = ["ddp", "zero1", "zero2", "zero3", "native_zero1", "native_fsdp",
-            "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not our ring
+            "zero1_backend", "zero2_backend", "zero3_backend"]  # _backend: gloo's collectives, not auto's choice
 COUNTERPART = {"zero1": "native_zero1", "zero3": "native_fsdp"}
 
 
@@ -47,7 +47,7 @@ class Variant:
         self.net = GPT(vocab_size=g.vocab_size, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head,
                        n_embd=g.n_embd)
         self.name = name
-        strategy, collectives = split_variant(name)  # collectives=auto: our ring on gloo
+        strategy, collectives = split_variant(name)  # "auto" or "backend"
         # Bucket views for both DDPs; stage 3 and fully_shard cut the same units (each block).
         options = strategy_options(strategy, gradient_as_bucket_view=True, collectives=collectives,
                                    min_unit_params=int(cfg.min_unit_params))

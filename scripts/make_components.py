@@ -235,7 +235,7 @@ def zero_values(d: dict | None) -> dict:
         zero_steps=res["steps"], zero_table=markdown_table(headers, body), zero_targets="; ".join(targets),
         zero_per_psi=", ".join(f"{k} {rows[k]['state_per_psi']:.2f} (formula {f:g})" for k, f in paper.items()),
         zero_exact=not off, zero_off=", ".join(off),
-        zero_peaks=", ".join(f"{k} {rows[k]['peak_bytes'] / MIB:.1f} MiB with the ring against "
+        zero_peaks=", ".join(f"{k} {rows[k]['peak_bytes'] / MIB:.1f} MiB with `auto` against "
                              f"{rows[k + '_backend']['peak_bytes'] / MIB:.1f} with gloo's"
                              for k in ("zero1", "zero2", "zero3") if k in rows and k + "_backend" in rows))
 
