@@ -61,7 +61,7 @@ from minidist.train.state import build_data, build_training_state
 from minidist.train.strategies import names as strategy_names, spec
 from minidist_tools.benchmarking import PeakSampler, live_tensor_bytes, rotated, slowest
 from minidist_tools.report import (all_plots, base_of, build_rows, console_table, environment_info, regressions,
-                                   targets_lines, variant_options, write_outputs)
+                                   targets_lines, transports_line, variant_options, write_outputs)
 
 
 @dataclass
@@ -292,6 +292,9 @@ def write_report(results: dict, cfg, run_dir: Path, command: str) -> int:
     print("\n" + console_table(rows))
     for line in targets_lines(rows):
         print(line)
+    transports = transports_line(rows, results["backend"])
+    if transports:
+        print(f"- collectives: {transports}")
     print(f"\nreport       {files['report']}\nresults      {files['csv']}, {files['json']}, {files['losses']}\n"
           f"plots        {', '.join(p.name for p in plots)}\n"
           f"tensorboard  tensorboard --logdir {files['tensorboard']}")

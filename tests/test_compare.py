@@ -113,6 +113,7 @@ def test_compare_end_to_end_with_deepspeed(tmp_path):
     assert table[0] == ["step", "ddp", "native_ddp", "zero2", "ds_zero2", "zero3", "native_fsdp"]
     assert len(table) == 1 + 4  # warmup + steps
     assert "ddp / native_ddp" in out.stdout and "report" in out.stdout
+    assert "- collectives: through gloo's own: ddp; through gloo's own and shared memory: zero2, zero3" in out.stdout
 
 
 @pytest.mark.slow(stand_in="test_references_and_theory")  # a whole comparison
