@@ -331,7 +331,7 @@ def transports_line(rows: dict, backend: str) -> str:
         return ""
     ours = (f"every one of ours through {next(iter(by_how))}" if len(by_how) == 1 else
             "; ".join(f"through {how}: {', '.join(names)}" for how, names in by_how.items()))
-    references = any(not r.get("transports") for r in rows.values())
+    references = any(r["kind"] != "minidist" for r in rows.values())
     return ours + (f"; the references through {backend}'s own" if references else "")
 
 

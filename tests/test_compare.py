@@ -264,13 +264,17 @@ def test_analyse_reads_the_gpu_kernels_when_the_trace_has_them():
 def test_the_transports_line_says_how_ours_and_the_references_sent():
     from minidist_tools.report import transports_line
 
-    rows = {"ddp": {"transports": ["shm"]}, "native_ddp": {"transports": None}, "zero2": {"transports": ["shm"]}}
+    ours, native = {"kind": "minidist"}, {"kind": "native", "transports": None}
+    rows = {"ddp": {**ours, "transports": ["shm"]}, "native_ddp": native, "zero2": {**ours, "transports": ["shm"]}}
     assert transports_line(rows, "gloo") == "every one of ours through shared memory; the references through gloo's own"
     rows["zero2"]["transports"] = ["backend", "ring"]
     assert transports_line(rows, "gloo") == ("through shared memory: ddp; through gloo's own and our send/recv ring: "
                                              "zero2; the references through gloo's own")
-    assert transports_line({"ddp": {"transports": ["shm"]}}, "gloo") == "every one of ours through shared memory"
-    assert transports_line({"ddp": {"transports": None}}, "gloo") == ""  # a run recorded before transports were
+    assert transports_line({"ddp": {**ours, "transports": ["shm"]}}, "gloo") == "every one of ours through shared memory"
+    # one of ours whose tracer saw nothing is not a reference
+    assert transports_line({"ddp": {**ours, "transports": ["shm"]}, "zero2": {**ours, "transports": None}}, "gloo") == \
+        "every one of ours through shared memory"
+    assert transports_line({"ddp": {**ours, "transports": None}}, "gloo") == ""  # a run recorded before transports were
 
 
 def test_references_and_theory():
