@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.comm import shm
+from minidist.comm import ring, shm
 
 SLOT = 4096  # bytes per slot in these tests: every size below goes through in several pieces
 
@@ -90,7 +90,38 @@ def check_against_gloo():
     comm.all_reduce(strided, group=group, algorithm="shm")
     if not torch.equal(strided, in_rank_order([rank_input(q, 64).view(8, 8)[:, ::2] for q in range(n)])):
         failures.append(("all_reduce strided", 32))
-    return failures, leftover
+    return failures + all_reduce_in_shared_memory(group), leftover
+
+
+def all_reduce_in_shared_memory(group) -> list:
+    """A tensor every rank maps (shm.shared_zeros, as DataParallel's buckets), or a slice of one:
+    each rank reads the others' in place, no slots; the same bits as through the slots. Its
+    segment goes with its last tensor."""
+    r, n, failures, labels = dist.get_rank(), dist.get_world_size(), [], []
+    listen = lambda label, *_: labels.append(label)  # noqa: E731
+    ring.span_listeners.append(listen)
+    try:
+        shared = shm.shared_zeros(3001 * n, torch.float32, group)
+        halves = shm.shared_zeros(2 * n, torch.bfloat16, group)
+        zeros = torch.equal(shared, torch.zeros(3001 * n))
+        for what, part, op in (("sum", shared, dist.ReduceOp.SUM), ("slice", shared[7:1007], dist.ReduceOp.SUM),
+                               ("max", shared, dist.ReduceOp.MAX), ("bf16", halves, dist.ReduceOp.SUM)):
+            part.copy_(rank_input(r, part.numel(), seed=3) if what != "bf16" else 1.0 if r == 0 else 2.0 ** -8)
+            through_slots = part.clone()
+            comm.all_reduce(through_slots, op=op, group=group, algorithm="shm")
+            comm.all_reduce(part, op=op, group=group, algorithm="auto", async_op=True).wait()
+            if not (zeros and torch.equal(part, through_slots)):
+                failures.append(("all_reduce in shared memory", what))
+    finally:
+        ring.span_listeners.remove(listen)
+    if labels.count("shm:all_reduce shared") != 4 or labels.count("shm:all_reduce") != 4:
+        failures.append(("all_reduce in shared memory: not read in place", labels))
+    ch = shm.channel(group, "auto")
+    del shared, halves, part
+    shm._shared_at(ch, torch.ones(1))  # (forgets the segments no tensor holds)
+    if ch.shared:
+        failures.append(("a shared segment outlived its tensors", len(ch.shared)))
+    return failures
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -101,8 +132,8 @@ def test_shm_collectives_equal_gloo_and_the_rank_order_sum(world_size, ranks):
 
 
 def ddp_uses_shm():
-    """DataParallel's default ("auto") reduces through shared memory on one host, and its gradients
-    are bitwise native DDP's at 2 ranks."""
+    """DataParallel's default ("auto") reduces through shared memory on one host, its buckets in
+    memory the other rank reads in place, and its gradients are bitwise native DDP's at 2 ranks."""
     from torch.nn.parallel import DistributedDataParallel
 
     import minidist
@@ -116,11 +147,12 @@ def ddp_uses_shm():
         ours(x).square().sum().backward()
     native(x).square().sum().backward()
     same = all(torch.equal(a.grad, b.grad) for a, b in zip(net.parameters(), native.module.parameters()))
-    return {r.algorithm for r in tracer.records if r.op == "all_reduce"}, same
+    in_place = all(shm._shared_at(shm.channel(None, "auto"), b.buffer) for b in ours._buckets)
+    return {r.algorithm for r in tracer.records if r.op == "all_reduce"}, in_place, same
 
 
 def test_data_parallel_reduces_through_shm_bitwise_as_native_ddp(ranks):
-    assert ranks(2).run(ddp_uses_shm, timeout_s=60) == [({"shm"}, True)] * 2
+    assert ranks(2).run(ddp_uses_shm, timeout_s=60) == [({"shm"}, True, True)] * 2
 
 
 # --------------------------------------------------------------------------- failure rules, in one process

@@ -18,6 +18,7 @@ import platform
 import secrets
 import socket
 import time
+import weakref
 import zlib
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class Channel:
         self.lines = [(ctypes.c_int64 * 3).from_buffer(mm, LINE * q) for q in range(len(ranks))]
         self.passed = self.pieces = 0  # barriers passed, pieces begun
         self.error: str | None = None
+        self.shared: list[tuple[weakref.ref, int, int]] = []  # shared_zeros': (segment, bytes a rank, my address)
 
     def next_slots(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """The slots of the next piece, one per rank, as `dtype` (views made per piece: the segment
@@ -135,12 +137,11 @@ def _timeout_s(group) -> float:
         return 1800.0  # torch's default for gloo
 
 
-def _open(group) -> Channel | str:
-    """Set up `group`'s segment (every rank of the group calls this at the same collective): the
-    Channel, or why there is none. The file is unlinked as soon as every rank has mapped it, so
-    nothing stays in /dev/shm whatever happens to the ranks later."""
+def _segment(group, size: int) -> tuple[mmap.mmap, list[int]] | str:
+    """A shared segment of `size` bytes that every rank of `group` maps (a collective), and the
+    ranks' pids; or why there is none. The file is unlinked as soon as every rank has mapped it,
+    so nothing stays in /dev/shm whatever happens to the ranks later."""
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    size = header_bytes(n) + 2 * n * SLOT_BYTES
     path, problem = None, None
     if me == 0:
         try:
@@ -168,10 +169,17 @@ def _open(group) -> Channel | str:
     if path is not None and path.exists():
         path.unlink()
     problem = next((p for p in problems if p), None)
-    if problem is not None:
-        return problem
+    return problem if problem is not None else (mm, [i[1] for i in infos])
+
+
+def _open(group) -> Channel | str:
+    """Set up `group`'s channel (every rank of the group calls this at the same collective), or why there is none."""
+    n = dist.get_world_size(group)
+    got = _segment(group, header_bytes(n) + 2 * n * SLOT_BYTES)
+    if isinstance(got, str):
+        return got
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-    return Channel(mm, ranks, me, [i[1] for i in infos], _timeout_s(group), SLOT_BYTES)
+    return Channel(got[0], ranks, dist.get_rank(group), got[1], _timeout_s(group), SLOT_BYTES)
 
 
 def channel(group, requested: str) -> Channel | None:
@@ -191,6 +199,40 @@ def channel(group, requested: str) -> Channel | None:
                 _warned = True
                 print(f"minidist: shared-memory collectives unavailable ({got}): using gloo", flush=True)
     return _channels[key]
+
+
+def shared_zeros(numel: int, dtype: torch.dtype, group) -> torch.Tensor:
+    """A zeroed 1-D CPU tensor in a segment every rank of `group` maps (a collective; the group's
+    channel set up already): all_reduce on it, or on a contiguous slice of it, skips the slots (each
+    rank sums its chunk straight from the others' tensors: half the memory traffic). Where no
+    segment can be had, a private tensor (one line says why)."""
+    global _warned
+    ch = _channels[group if group is not None else dist.group.WORLD]
+    nbytes = -(-numel * dtype.itemsize // 4096) * 4096  # each rank's part page-aligned
+    if numel == 0:
+        return torch.zeros(0, dtype=dtype)
+    got = _segment(group, len(ch.ranks) * nbytes)
+    if isinstance(got, str):
+        if ch.me == 0 and not _warned:
+            _warned = True
+            print(f"minidist: shared-memory buffers unavailable ({got}): copying through the slots", flush=True)
+        return torch.zeros(numel, dtype=dtype)
+    mine = torch.frombuffer(got[0], dtype=dtype, count=numel, offset=ch.me * nbytes)
+    ch.shared.append((weakref.ref(got[0]), nbytes, mine.data_ptr()))  # (weak: the segment goes with its tensors)
+    return mine
+
+
+def _shared_at(ch: Channel, t: torch.Tensor) -> tuple[mmap.mmap, int, int] | None:
+    """Where `t` (shared_zeros' or a slice of it) lies: (its segment, bytes a rank, its offset in
+    this rank's part); None where it is not shared."""
+    ch.shared = [entry for entry in ch.shared if entry[0]() is not None]
+    size = t.numel() * t.element_size()
+    for ref, nbytes, base in ch.shared:
+        offset = t.data_ptr() - base
+        if size and t.is_contiguous() and t.device.type == "cpu" and 0 <= offset <= nbytes - size and \
+                (mm := ref()) is not None:
+            return mm, nbytes, offset
+    return None
 
 
 def _descriptor(op: str, *shape) -> int:
@@ -234,6 +276,33 @@ def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
                 piece[chunk[q]].copy_(slots[q][chunk[q]])
 
 
+def _all_reduce_shared(ch: Channel, t: torch.Tensor, where: tuple[mmap.mmap, int, int], op) -> None:
+    """All_reduce of shared_zeros' `t`, no slots: rank r reduces chunk r of every rank's tensor
+    into its own, then copies each other chunk from its owner's. The last barrier keeps every
+    tensor as it is until every rank has read it."""
+    mm, nbytes, offset = where
+    n, m, size = len(ch.ranks), t.numel(), t.element_size()
+
+    def of(q: int, a: int, b: int) -> torch.Tensor:  # rank q's t[a:b], viewed piece by piece: the
+        return t[a:b] if q == ch.me else torch.frombuffer(  # others' memory is not this rank's live tensors
+            mm, dtype=t.dtype, count=b - a, offset=q * nbytes + offset + a * size)
+
+    c, desc = -(-m // n), _descriptor("all_reduce shared", m, t.dtype, op)
+    chunks = [(min(q * c, m), min((q + 1) * c, m)) for q in range(n)]
+    pieces = [[(lo + a, lo + b) for a, b in ring.piece_bounds(hi - lo, size, ch.slot_bytes)] for lo, hi in chunks]
+    ch.barrier("all_reduce", desc)
+    for a, b in pieces[ch.me]:
+        target = t[a:b] if n == 2 else torch.empty(b - a, dtype=t.dtype)  # (beyond 2: an addend overwritten)
+        _reduce_into(target, [of(q, a, b) for q in range(n)], op)
+        if n > 2:
+            t[a:b].copy_(target)
+    ch.barrier("all_reduce", desc)
+    for q in (q for q in range(n) if q != ch.me):
+        for a, b in pieces[q]:
+            t[a:b].copy_(of(q, a, b))
+    ch.barrier("all_reduce", desc)
+
+
 def _reduce_scatter(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op) -> None:
     n, m = len(ch.ranks), out.numel()
     rows, desc = inp.view(n, m), _descriptor("reduce_scatter", m, out.dtype, op)
@@ -272,6 +341,9 @@ def run(op: str, group, async_op: bool, *tensors, arg=None):
     place where the tensors are contiguous, else through a contiguous copy written back at the
     end. `arg`: the ReduceOp, or broadcast's source as a rank of the group."""
     ch = _channels[group if group is not None else dist.group.WORLD]
+    if op == "all_reduce" and (where := _shared_at(ch, tensors[0])) is not None:
+        return ring.run(lambda: _all_reduce_shared(ch, tensors[0], where, arg), async_op, "shm:all_reduce shared",
+                        queue=ch)
     flats = [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
     def job():

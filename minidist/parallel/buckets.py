@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
+from minidist.comm import shm
 from minidist.parallel.sharded_grad import local_grad
 
 
@@ -222,16 +223,19 @@ class Bucket:
 
     @classmethod
     def allocate(cls, index: int, param_ids: list[int], params: list[torch.Tensor],
-                 process_group, world_size: int) -> "Bucket":
+                 process_group, world_size: int, algorithm: str = "backend", shared: bool = False) -> "Bucket":
+        """The bucket's buffer, zeroed; `shared` (a collective, where `algorithm` runs as "shm"):
+        in memory the other ranks read (shm.shared_zeros: no copy through the slots)."""
         first = params[param_ids[0]]
         total = sum(params[i].numel() for i in param_ids)
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+        buffer = shm.shared_zeros(total, first.dtype, process_group) if shared else \
+            torch.zeros(total, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for i in param_ids:
             p = params[i]
             views.append(buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        return cls(index, list(param_ids), buffer, views, process_group, world_size, pending=len(param_ids))
+        return cls(index, list(param_ids), buffer, views, process_group, world_size, algorithm, pending=len(param_ids))
 
     @property
     def nbytes(self) -> int:

@@ -192,12 +192,9 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
         return plan_buckets(self._params, order, self._cap_bytes, self._first_cap_bytes, self._last_cap_bytes,
                             self._closing)
 
-    def _allocate_buckets(self, order: list[int]) -> list[Bucket]:
-        buckets = [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size)
-                   for k, ids in enumerate(self._plan(order))]
-        for bucket in buckets:
-            bucket.algorithm = self.collectives
-        return buckets
+    def _allocate_buckets(self, order: list[int], shared: bool = False) -> list[Bucket]:
+        return [Bucket.allocate(k, ids, self._params, self.process_group, self.world_size, self.collectives, shared)
+                for k, ids in enumerate(self._plan(order))]
 
     def _adopt_gradients(self) -> None:
         """With gradient_as_bucket_view: keep gradients that exist, but let them live in the
@@ -237,8 +234,12 @@ class DataParallel(DataParallelJoin, GradientSyncSwitch, nn.Module):
             order = order.to(self._buckets[0].buffer.device) if self._buckets else order
             comm.broadcast(order, src=self.source_rank, group=self.process_group)
         order = order.tolist()
-        if self._plan(order) != [b.param_ids for b in self._buckets]:
-            self._backward.set_buckets(self._allocate_buckets(order))
+        # The buckets go into shared memory here, at a collective (not when a pickled wrapper is
+        # loaded, maybe on one rank only), where shm will reduce them.
+        shared = self.world_size > 1 and comm.choose_algorithm(
+            "all_reduce", self.process_group, self.collectives, device=self._params[0].device) == "shm"
+        if shared or self._plan(order) != [b.param_ids for b in self._buckets]:
+            self._backward.set_buckets(self._allocate_buckets(order, shared))
             self._adopt_gradients()
 
     # ----------------------------------------------------------------------- backward (a BucketReducer)
