@@ -147,6 +147,13 @@ MUTATIONS = [
     Mutation("shm_half_rounded_per_addition", "shared-memory sums of bf16 / fp16 round once, in fp32",
              "minidist/comm/shm.py", "if len(parts) > 2 and out.dtype in", "if False and out.dtype in",
              ("tests/test_shm.py",)),
+    Mutation("shm_inplace_sum_overwrites_an_addend", "an in-place shared-memory sum beyond 2 ranks reads every "
+             "addend before it writes", "minidist/comm/shm.py",
+             "target = t[a:b] if n == 2 else torch.empty(b - a, dtype=t.dtype)", "target = t[a:b]",
+             ("tests/test_shm.py",)),
+    Mutation("ddp_buckets_private", "DataParallel's buckets live in shared memory where shm reduces them",
+             "minidist/parallel/buckets.py", "shm.shared_zeros(total, first.dtype, process_group) if shared else",
+             "shm.shared_zeros(total, first.dtype, process_group) if False else", ("tests/test_shm.py",)),
     Mutation("leftovers_of_live_runs_removed", "what a killed run left is removed, never what a live run holds",
              "minidist/dist.py", "and not process_alive(pid):", ":", ("tests/test_shm.py", "tests/test_rss.py")),
 ]
