@@ -202,15 +202,15 @@ def channel(group, requested: str) -> Channel | None:
 
 
 def shared_zeros(numel: int, dtype: torch.dtype, group) -> torch.Tensor:
-    """A zeroed 1-D CPU tensor in a segment every rank of `group` maps (a collective; the group's
-    channel set up already): all_reduce on it, or on a contiguous slice of it, skips the slots (each
-    rank sums its chunk straight from the others' tensors: half the memory traffic). Where no
-    segment can be had, a private tensor (one line says why)."""
+    """A zeroed 1-D CPU tensor in a segment every rank of `group` maps (a collective): all_reduce
+    on it, or on a contiguous slice of it, skips the slots (each rank sums its chunk straight from
+    the others' tensors: half the memory traffic). Where the group has no channel or no segment
+    can be had, a private tensor (one line says why)."""
     global _warned
-    ch = _channels[group if group is not None else dist.group.WORLD]
+    ch = channel(group, "shm")
     nbytes = -(-numel * dtype.itemsize // 4096) * 4096  # each rank's part page-aligned
-    if numel == 0:
-        return torch.zeros(0, dtype=dtype)
+    if ch is None or numel == 0:
+        return torch.zeros(numel, dtype=dtype)
     got = _segment(group, len(ch.ranks) * nbytes)
     if isinstance(got, str):
         if ch.me == 0 and not _warned:
