@@ -42,9 +42,7 @@ def make_call(op: str, nbytes: int, n: int, inplace: bool):
     collective): a tensor in shared memory too, for "shm_inplace"."""
     numel = max(n, nbytes // 4 // n * n)
     big, small, copy = torch.ones(numel), torch.ones(numel // n), torch.empty(numel)
-    shared = big  # (where shared memory cannot run: the slots' way)
-    if inplace and comm.choose_algorithm("all_reduce", None, "shm") == "shm":
-        shared = shm.shared_zeros(numel, torch.float32, None).fill_(1.0)
+    shared = shm.shared_zeros(numel, torch.float32, None).fill_(1.0) if inplace else None
     calls = {"reduce_scatter": lambda alg: comm.reduce_scatter_tensor(small, big, algorithm=alg),
              "all_gather": lambda alg: comm.all_gather_into(big, small, algorithm=alg),
              "all_reduce": lambda alg: comm.all_reduce(shared, algorithm="shm") if alg == "shm_inplace" else
