@@ -254,6 +254,12 @@ def _reduce_into(out: torch.Tensor, parts: list[torch.Tensor], op) -> None:
         fn(out, p, out=out)
 
 
+def _chunks(m: int, n: int) -> list[slice]:
+    """Rank q's chunk of `m` elements, as an all_reduce beyond 2 ranks splits them (the last may be short or empty)."""
+    c = -(-m // n)
+    return [slice(min(q * c, m), min((q + 1) * c, m)) for q in range(n)]
+
+
 def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
     """At 2 ranks each sums the whole piece (fewer bytes than a reduce_scatter and an all_gather,
     one barrier); beyond, rank r sums chunk r of it, publishes that, and copies the others' chunks
@@ -266,8 +272,7 @@ def _all_reduce(ch: Channel, flat: torch.Tensor, op) -> None:
         if n == 2:
             _reduce_into(piece, slots, op)
             continue
-        c = -(-(b - a) // n)
-        chunk = [slice(min(q * c, b - a), min((q + 1) * c, b - a)) for q in range(n)]
+        chunk = _chunks(b - a, n)
         _reduce_into(piece[chunk[ch.me]], [s[chunk[ch.me]] for s in slots], op)
         slots[ch.me][chunk[ch.me]].copy_(piece[chunk[ch.me]])
         ch.barrier("all_reduce", desc)
@@ -287,9 +292,9 @@ def _all_reduce_shared(ch: Channel, t: torch.Tensor, where: tuple[mmap.mmap, int
         return t[a:b] if q == ch.me else torch.frombuffer(  # others' memory is not this rank's live tensors
             mm, dtype=t.dtype, count=b - a, offset=q * nbytes + offset + a * size)
 
-    c, desc = -(-m // n), _descriptor("all_reduce shared", m, t.dtype, op)
-    chunks = [(min(q * c, m), min((q + 1) * c, m)) for q in range(n)]
-    pieces = [[(lo + a, lo + b) for a, b in ring.piece_bounds(hi - lo, size, ch.slot_bytes)] for lo, hi in chunks]
+    desc = _descriptor("all_reduce shared", m, t.dtype, op)
+    pieces = [[(c.start + a, c.start + b) for a, b in ring.piece_bounds(c.stop - c.start, size, ch.slot_bytes)]
+              for c in _chunks(m, n)]
     ch.barrier("all_reduce", desc)
     for a, b in pieces[ch.me]:
         target = t[a:b] if n == 2 else torch.empty(b - a, dtype=t.dtype)  # (beyond 2: an addend overwritten)
