@@ -155,8 +155,9 @@ def test_nanogpt_rank0_evaluation_at_stage3_fails_on_every_rank_naming_the_fix(r
 
 # torch 2.14's gloo now and then aborts a rank as a script destroys its process group at the end:
 # 2 of 30 runs of a 12-line native DDP script under torchrun here, and the native tutorial 1 of 16
-# (its port, 0 of 16). The native runs are the reference here, not what is tested: such a run is run
-# once more, in a folder of its own (the tutorial resumes from a snapshot it finds).
+# (its port, 0 of 16), FSDP2's example 2 of 30 (2026-12-06; a make test-all saw it abort twice in a row).
+# The native runs are the reference here, not what is tested: such a run is run again, up to twice,
+# each time in a folder of its own (the tutorial resumes from a snapshot it finds).
 TORCH_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -181,8 +182,10 @@ def test_client_scripts_under_torchrun(tmp_path):
             d = tmp_path / f"{script}_{wrap}"
             d.mkdir()
             done = torchrun(script, *args, "--wrap", wrap, "--out", "final.pt", cwd=d)
-            if wrap == "native" and done.returncode != 0 and TORCH_TEARDOWN_ABORT in done.stderr:
-                d = tmp_path / f"{script}_{wrap}_again"
+            for again in range(2):  # (the reference, aborted by torch at its teardown: see above)
+                if wrap != "native" or done.returncode == 0 or TORCH_TEARDOWN_ABORT not in done.stderr:
+                    break
+                d = tmp_path / f"{script}_{wrap}_again{again}"
                 d.mkdir()
                 done = torchrun(script, *args, "--wrap", wrap, "--out", "final.pt", cwd=d)
             assert done.returncode == 0, f"{script} --wrap {wrap}:\n" + done.stderr[-3000:]
