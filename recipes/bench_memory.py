@@ -176,6 +176,23 @@ def gathers_kept(gathers: int, mib: int) -> tuple[int, str | None]:
     return kept, os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
+def huge_pages_of_a_block(mib: int) -> int:
+    """Bytes of transparent huge pages backing a fresh `mib` MiB tensor (a block taken from the
+    system, above the ranks' mmap threshold): what GLIBC_TUNABLES=glibc.malloc.hugetlb=1 buys."""
+    t = torch.ones(mib << 18)
+    address = t.data_ptr()
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: its address range
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def launch_fresh(fn, nproc: int, args: tuple) -> dict:
     """fn(*args) on `nproc` newly started local ranks with the mmap threshold set; rank -> result."""
     previous = os.environ.get("MALLOC_MMAP_THRESHOLD_")

@@ -154,6 +154,9 @@ MUTATIONS = [
     Mutation("ddp_buckets_private", "DataParallel's buckets live in shared memory where shm reduces them",
              "minidist/parallel/buckets.py", "shm.shared_zeros(total, first.dtype, process_group) if shared else",
              "shm.shared_zeros(total, first.dtype, process_group) if False else", ("tests/test_shm.py",)),
+    Mutation("ranks_without_huge_pages", "the ranks minidist starts ask glibc for transparent huge pages",
+             "minidist/train/app.py", '"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}', '"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}',
+             ("tests/test_rss.py",)),
     Mutation("leftovers_of_live_runs_removed", "what a killed run left is removed, never what a live run holds",
              "minidist/dist.py", "and not process_alive(pid):", ":", ("tests/test_shm.py", "tests/test_rss.py")),
 ]

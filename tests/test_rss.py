@@ -18,7 +18,8 @@ import pytest
 from train_cases import ROOT
 
 sys.path.insert(0, str(ROOT / "recipes"))  # the benchmark recipe holds the measurement
-from bench_memory import allocate_and_free, gathers_kept, launch_fresh, measure_state_rss, within_target  # noqa: E402
+from bench_memory import (allocate_and_free, gathers_kept, huge_pages_of_a_block, launch_fresh,  # noqa: E402
+                          measure_state_rss, within_target)
 
 MLP_8M = [1024, 2048, 2048, 1024]
 
@@ -54,6 +55,21 @@ def test_ranks_minidist_starts_give_freed_large_blocks_back(monkeypatch):
         assert kept <= 8 * 2**20, kept / 2**20
 
 
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
+def test_ranks_minidist_starts_get_huge_pages_for_large_blocks(monkeypatch):
+    """A 12 MiB tensor in a rank run_local starts lies on 2 MiB pages (glibc.malloc.hugetlb=1):
+    a few page faults, not thousands (docs/trainer.md, "Memory")."""
+    from minidist.train.app import MALLOC_ENV, run_local
+
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for huge in run_local(huge_pages_of_a_block, nproc=1, args=(12,)).values():
+        assert huge >= 8 * 2**20, huge / 2**20
+
+
 @pytest.mark.parametrize("users", [None, "65536"])
 def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeypatch, users):
     """What the ranks' environment holds when run_local starts them (the launch itself replaced), and
@@ -66,13 +82,14 @@ def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeyp
     monkeypatch.setattr(launcher, "elastic_launch", lambda config, entrypoint: lambda *args: seen.update(
         {k: os.environ.get(k) for k in MALLOC_ENV}) or {0: None})
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     if users is None:
         monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     else:
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", users)
     run_local(print, nproc=2)
     assert seen == ({k: str(v) for k, v in MALLOC_ENV.items()} if users is None else
-                    {"MALLOC_MMAP_THRESHOLD_": users, "MALLOC_TRIM_THRESHOLD_": None})
+                    {"MALLOC_MMAP_THRESHOLD_": users, "MALLOC_TRIM_THRESHOLD_": None, "GLIBC_TUNABLES": None})
     assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == users and "MALLOC_TRIM_THRESHOLD_" not in os.environ
 
 
