@@ -433,7 +433,7 @@ def shm_values() -> dict:
                         step=f"{statistics.median(x['step_s'] for x in runs) * 1e3:.1f}",
                         each=", ".join(f"{x['ratio']:.3f} [{x['ci'][0]:.3f}, {x['ci'][1]:.3f}]" for x in runs),
                         met="met" if med <= t["ddp_" + ("shm" if way == "shm" else "gloo")] else "NOT met")
-    tr = {w: runs if isinstance(runs, list) else [runs] for w, runs in r["train"].items()}  # (one run each before TRAIN_PAIRS)
+    tr = r["train"]  # each way: TRAIN_PAIRS runs
     exposed = {w: statistics.median(x["time/exposed_comm_s"] for x in runs) for w, runs in tr.items()}
     step = {w: statistics.median(x["time/step_s"] for x in runs) for w, runs in tr.items()}
     # "lower than today's": the main run's ratios when ours still went through gloo and the ring (kept)
