@@ -81,17 +81,14 @@ def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeyp
     seen = {}
     monkeypatch.setattr(launcher, "elastic_launch", lambda config, entrypoint: lambda *args: seen.update(
         {k: os.environ.get(k) for k in MALLOC_ENV}) or {0: None})
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    if users is None:
-        monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    else:
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    if users is not None:
         monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", users)
     run_local(print, nproc=2)
     assert seen == ({k: str(v) for k, v in MALLOC_ENV.items()} if users is None else
-                    {"MALLOC_MMAP_THRESHOLD_": users, "MALLOC_TRIM_THRESHOLD_": None, "GLIBC_TUNABLES": None})
-    assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == users
-    assert "MALLOC_TRIM_THRESHOLD_" not in os.environ and "GLIBC_TUNABLES" not in os.environ
+                    {**dict.fromkeys(MALLOC_ENV), "MALLOC_MMAP_THRESHOLD_": users})
+    assert {k: os.environ.get(k) for k in MALLOC_ENV} == {**dict.fromkeys(MALLOC_ENV), "MALLOC_MMAP_THRESHOLD_": users}
 
 
 @pytest.mark.parametrize("fails", [False, True])
