@@ -9,6 +9,8 @@ and the folder torch's launcher needs is theirs to remove.
 """
 
 import contextlib
+import functools
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -68,6 +70,37 @@ def test_ranks_minidist_starts_get_huge_pages_for_large_blocks(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     for huge in run_local(huge_pages_of_a_block, nproc=1, args=(12,)).values():
         assert huge >= 8 * 2**20, huge / 2**20
+
+
+def huge_pages_to_file(path: str, argv: list[str]) -> None:
+    """A live-recovery rank's entry (in place of the trainer's main): huge_pages_of_a_block, to a file."""
+    Path(path).write_text(f"{huge_pages_of_a_block(12)} {os.environ.get('MALLOC_MMAP_THRESHOLD_')}")
+
+
+@pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra: "
+                    "pip install -e '.[ft]'; make test-all installs it)")
+def test_live_recovery_ranks_get_the_allocator_too(monkeypatch, tmp_path):
+    """ft=torchft's ranks, forked from one fork server, are given MALLOC_ENV as run_local's are
+    (through the fork server's environment); the launcher's own is left as it was."""
+    import multiprocessing.forkserver
+
+    from minidist.train.app import MALLOC_ENV
+    from minidist.train import ft_launch
+    from omegaconf import OmegaConf
+
+    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
+        pytest.skip("this process's fork server was started before the test, with the environment of then")
+    for key in MALLOC_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(ft_launch, "PRELOAD", ["minidist.train.app"])  # (not torchft's 3 s of imports: not needed here)
+    cfg = OmegaConf.create({"ft": {"group_size": 1, "lighthouse": None, "min_replicas": 1, "timeout_s": 10,
+                                   "heartbeat_ms": 1000, "relaunch": False}})
+    seen = tmp_path / "seen"
+    assert ft_launch.launch_groups(cfg, tmp_path / "run", [], 1, entry=functools.partial(huge_pages_to_file, str(seen))) == 0
+    huge, threshold = seen.read_text().split()
+    assert int(huge) >= 8 * 2**20 and threshold == str(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]), seen.read_text()
+    assert not any(k in os.environ for k in MALLOC_ENV)
 
 
 @pytest.mark.parametrize("users", [None, "65536"])

@@ -58,6 +58,20 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 <<
               "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
+@contextlib.contextmanager
+def ranks_allocator():
+    """MALLOC_ENV in this process's environment while it starts ranks (read by glibc when a process
+    starts, so the ranks, which inherit it, and not this process); as it was after. A user who set
+    any of the variables has the allocator as they chose."""
+    ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
+    os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
+    try:
+        yield
+    finally:
+        for k in ours:
+            os.environ.pop(k, None)
+
+
 def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
     """Run fn(*args) on `nproc` local ranks (torchrun's machinery, in-process); return rank -> result.
 
@@ -77,9 +91,6 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # A stop signal: the ranks' own line says what happened ("Received 15 death signal" would not).
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.ERROR)
-    # For the ranks only (they inherit them); a user who set either has the allocator as they chose.
-    ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
-    os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
     # torch's agent wants a folder (the ranks' error files); left to it, one stays in /tmp per run.
     # Ours is removed at the end; a launcher killed (kill -9) leaves it to the next launch.
     remove_left_by_dead(Path(tempfile.gettempdir()), "minidist-launch-")
@@ -91,10 +102,9 @@ def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 
             monitor_interval=0.1, start_method="spawn", signals_to_handle=FORWARDED_SIGNALS,
             shutdown_timeout=int(math.ceil(stop_grace_s)) + 5, logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
-        return elastic_launch(config, entrypoint=fn)(*args)
+        with ranks_allocator():
+            return elastic_launch(config, entrypoint=fn)(*args)
     finally:
-        for k in ours:  # this process keeps what it started with
-            os.environ.pop(k, None)
         shutil.rmtree(logs, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from minidist.dist import free_port
+from minidist.train.app import ranks_allocator
 from minidist.train.live_recovery import LAUNCHED_AT, healed_since, summarize
 from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
@@ -126,7 +127,8 @@ def launch_groups(cfg, run_dir: Path, overrides: list[str], world: int, entry) -
 
     stop: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    running = {g: start(g, False) for g in range(groups)}
+    with ranks_allocator():  # the fork server, started with the first group, passes it to every rank
+        running = {g: start(g, False) for g in range(groups)}
     finished, failed, relaunched = [], {}, []  # (relaunched: a group each time one was)
     try:
         while running:
