@@ -176,21 +176,21 @@ def gathers_kept(gathers: int, mib: int) -> tuple[int, str | None]:
     return kept, os.environ.get("MALLOC_MMAP_THRESHOLD_")
 
 
-def huge_pages_of_a_block(mib: int) -> int:
+def huge_pages_of_a_block(mib: int) -> tuple[int, int]:
     """Bytes of transparent huge pages backing a fresh `mib` MiB tensor (a block taken from the
-    system, above the ranks' mmap threshold): what GLIBC_TUNABLES=glibc.malloc.hugetlb=1 buys."""
-    t = torch.ones(mib << 18)
-    address = t.data_ptr()
+    system, above the ranks' mmap threshold: what THP_MEM_ALLOC_ENABLE=1 buys), and backing the
+    process's heap (Python's objects, small tensors: what it does not cost)."""
+    block = torch.ones(mib << 18)
+    address, huge = block.data_ptr(), {"block": 0, "heap": 0}
     with open("/proc/self/smaps") as f:
-        inside = False
         for line in f:
             head = line.split()[0]
-            if "-" in head and not head.endswith(":"):  # a mapping's first line: its address range
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: its address range, its name
                 start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) * 1024
-    return 0
+                where = "block" if start <= address < end else "heap" if line.split()[-1] == "[heap]" else None
+            elif where is not None and head == "AnonHugePages:":
+                huge[where] += int(line.split()[1]) * 1024  # (the heap may be several mappings)
+    return huge["block"], huge["heap"]
 
 
 def launch_fresh(fn, nproc: int, args: tuple) -> dict:

@@ -50,12 +50,13 @@ FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # take blocks of this size and more straight from the system and give them back on free. A fixed
 # threshold also switches off glibc's rule that keeps twice as much free at the heap's top: without
 # it every smaller temporary (an optimizer's) was given back and faulted in again, each step
-# (1.5x the step of a communication-bound MLP). glibc's blocks get transparent huge pages where the
-# kernel gives them only on request (THP "madvise", Debian's and Ubuntu's default): a 12 MiB block
-# taken from the system faults 6 times, not 3,072 (that MLP's step ~0.8x). A user who set any of
-# these has the allocator as they chose (docs/trainer.md, "Memory").
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 << 20,
-              "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+# (1.5x the step of a communication-bound MLP). Tensors of 2 MiB and more get transparent huge
+# pages where the kernel gives them only on request (THP "madvise", Debian's and Ubuntu's default):
+# torch's allocator asks for them, and a 12 MiB block taken from the system faults a few times, not
+# 3,072 (that MLP's step ~0.9x). Not glibc's own (glibc.malloc.hugetlb=1): it puts the whole heap
+# on huge pages, and each start of a rank cost ~0.7 s more. A user who set any of these has the
+# allocator as they chose (docs/trainer.md, "Memory").
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 << 20, "THP_MEM_ALLOC_ENABLE": 1}
 
 
 @contextlib.contextmanager
