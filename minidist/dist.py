@@ -160,6 +160,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# glibc serves a freed block's size from its heap from then on (up to 32 MiB) and keeps freed heap
+# memory resident, so a rank that once freed a 32 MiB tensor keeps its pages. Ranks minidist starts
+# take blocks of this size and more straight from the system and give them back on free. A fixed
+# threshold also switches off glibc's rule that keeps twice as much free at the heap's top: without
+# it every smaller temporary (an optimizer's) was given back and faulted in again, each step
+# (1.5x the step of a communication-bound MLP). Tensors of 2 MiB and more get transparent huge
+# pages where the kernel gives them only on request (THP "madvise", Debian's and Ubuntu's default):
+# torch's allocator asks for them, and a 12 MiB block taken from the system faults a few times, not
+# 3,072 (that MLP's step ~0.9x). Not glibc's own (glibc.malloc.hugetlb=1): it puts the whole heap
+# on huge pages, and each start of a rank cost ~0.7 s more. A user who set any of these has the
+# allocator as they chose (docs/trainer.md, "Memory").
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 << 20, "THP_MEM_ALLOC_ENABLE": 1}
+
+
+@contextlib.contextmanager
+def ranks_allocator():
+    """MALLOC_ENV in this process's environment while it starts ranks (glibc and torch's allocator
+    read it as a process starts: the ranks, which inherit it, not this one); as it was after. A
+    user who set any of the variables has the allocator as they chose."""
+    ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
+    os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
+    try:
+        yield
+    finally:
+        for k in ours:
+            os.environ.pop(k, None)
+
+
 def gpu_bound_per_task(env: Mapping[str, str] | None = None) -> bool:
     """Did SLURM give this task GPUs of its own (--gpus-per-task, --gpu-bind)? Then each task
     sees only its own (device_count() is 1 with one GPU a task), whatever the node holds."""

@@ -48,7 +48,8 @@ def test_every_zero_stage_within_the_formula(strategy):
 def test_ranks_minidist_starts_give_freed_large_blocks_back(monkeypatch):
     """glibc alone kept hundreds of MiB of 16 freed 32 MiB gathers (docs/trainer.md, "Memory"); the
     ranks run_local starts keep none of them."""
-    from minidist.train.app import MALLOC_ENV, run_local
+    from minidist.dist import MALLOC_ENV
+    from minidist.train.app import run_local
 
     for key in MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
@@ -70,7 +71,8 @@ def assert_huge_pages_for_large_blocks_only(block: int, heap: int) -> None:
 @pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
 def test_ranks_minidist_starts_get_huge_pages_for_large_blocks_only(monkeypatch):
     """The ranks run_local starts (assert_huge_pages_for_large_blocks_only says what and why)."""
-    from minidist.train.app import MALLOC_ENV, run_local
+    from minidist.dist import MALLOC_ENV
+    from minidist.train.app import run_local
 
     for key in MALLOC_ENV:
         monkeypatch.delenv(key, raising=False)
@@ -83,31 +85,43 @@ def huge_pages_to_file(path: str, argv: list[str]) -> None:
     Path(path).write_text(" ".join(map(str, [*huge_pages_of_a_block(12), os.environ.get("MALLOC_MMAP_THRESHOLD_")])))
 
 
+def one_ft_group(seen: str) -> None:
+    """ft=torchft's launcher with one group of one rank, huge_pages_to_file its entry; then whether
+    the launcher's own environment holds any of MALLOC_ENV, appended to `seen`."""
+    from omegaconf import OmegaConf
+
+    from minidist.dist import MALLOC_ENV
+    from minidist.train import ft_launch
+
+    ft_launch.PRELOAD = ["minidist.train.app"]  # (not torchft's 3 s of imports: not needed here)
+    cfg = OmegaConf.create({"ft": {"group_size": 1, "lighthouse": None, "min_replicas": 1, "timeout_s": 10,
+                                   "heartbeat_ms": 1000, "relaunch": False}})
+    code = ft_launch.launch_groups(cfg, Path(seen).parent / "run", [], 1, entry=functools.partial(huge_pages_to_file, seen))
+    with open(seen, "a") as f:
+        f.write(f" {code} {any(k in os.environ for k in MALLOC_ENV)}")
+
+
+@pytest.mark.slow(stand_in="test_ranks_minidist_starts_get_huge_pages_for_large_blocks_only")  # needs torchft
 @pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra: "
                     "pip install -e '.[ft]'; make test-all installs it)")
-def test_live_recovery_ranks_get_the_allocator_too(monkeypatch, tmp_path):
+def test_live_recovery_ranks_get_the_allocator_too(tmp_path):
     """ft=torchft's ranks, forked from one fork server, are given MALLOC_ENV as run_local's are
-    (through the fork server's environment); the launcher's own is left as it was."""
-    import multiprocessing.forkserver
+    (through the fork server's environment); the launcher's own is left as it was. In a fresh
+    process: the fork server is one per process, and this one's may be the rank pools'."""
+    import subprocess
 
-    from minidist.train.app import MALLOC_ENV
-    from minidist.train import ft_launch
-    from omegaconf import OmegaConf
+    from minidist.dist import MALLOC_ENV
 
-    if multiprocessing.forkserver._forkserver._forkserver_pid is not None:
-        pytest.skip("this process's fork server was started before the test, with the environment of then")
-    for key in MALLOC_ENV:
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(ft_launch, "PRELOAD", ["minidist.train.app"])  # (not torchft's 3 s of imports: not needed here)
-    cfg = OmegaConf.create({"ft": {"group_size": 1, "lighthouse": None, "min_replicas": 1, "timeout_s": 10,
-                                   "heartbeat_ms": 1000, "relaunch": False}})
     seen = tmp_path / "seen"
-    assert ft_launch.launch_groups(cfg, tmp_path / "run", [], 1, entry=functools.partial(huge_pages_to_file, str(seen))) == 0
-    block, heap, threshold = seen.read_text().split()
+    script = (f"import sys; sys.path[:0] = [{str(Path(__file__).parent)!r}, {str(ROOT / 'recipes')!r}]; "
+              f"import test_rss; test_rss.one_ft_group({str(seen)!r})")
+    done = subprocess.run([sys.executable, "-c", script], env={k: v for k, v in os.environ.items() if k not in MALLOC_ENV},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    block, heap, threshold, code, launchers = seen.read_text().split()
     assert_huge_pages_for_large_blocks_only(int(block), int(heap))
-    assert threshold == str(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"])
-    assert not any(k in os.environ for k in MALLOC_ENV)
+    assert (threshold, code, launchers) == (str(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]), "0", "False")
 
 
 @pytest.mark.parametrize("users", [None, "65536"])
@@ -116,7 +130,8 @@ def test_run_local_gives_its_ranks_the_threshold_unless_the_user_set_one(monkeyp
     that this process's environment is left as it was. The trim threshold comes with ours (a fixed
     mmap threshold switches off glibc's own); a user's threshold leaves the allocator to them."""
     import torch.distributed.launcher.api as launcher
-    from minidist.train.app import MALLOC_ENV, run_local
+    from minidist.dist import MALLOC_ENV
+    from minidist.train.app import run_local
 
     seen = {}
     monkeypatch.setattr(launcher, "elastic_launch", lambda config, entrypoint: lambda *args: seen.update(

@@ -26,7 +26,8 @@ from typing import Callable
 
 from omegaconf import OmegaConf
 
-from minidist.dist import choose_backend, detect_launch, free_port, launch_rank, remove_left_by_dead
+from minidist.dist import (choose_backend, detect_launch, free_port, launch_rank, ranks_allocator,
+                           remove_left_by_dead)
 from minidist.train.checkpoint import CheckpointWriteFailed
 from minidist.train.config import ConfigError, compose_fresh, config_dir, typed_keys
 from minidist.train.config_check import resume_notice, validate
@@ -44,34 +45,6 @@ def under_launcher() -> bool:
 # list, and SIGUSR1, SLURM's warning before preemption (`--signal=USR1@N`), which would
 # otherwise kill this process and leave the ranks without a launcher.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-
-# glibc serves a freed block's size from its heap from then on (up to 32 MiB) and keeps freed heap
-# memory resident, so a rank that once freed a 32 MiB tensor keeps its pages. Ranks started here
-# take blocks of this size and more straight from the system and give them back on free. A fixed
-# threshold also switches off glibc's rule that keeps twice as much free at the heap's top: without
-# it every smaller temporary (an optimizer's) was given back and faulted in again, each step
-# (1.5x the step of a communication-bound MLP). Tensors of 2 MiB and more get transparent huge
-# pages where the kernel gives them only on request (THP "madvise", Debian's and Ubuntu's default):
-# torch's allocator asks for them, and a 12 MiB block taken from the system faults a few times, not
-# 3,072 (that MLP's step ~0.9x). Not glibc's own (glibc.malloc.hugetlb=1): it puts the whole heap
-# on huge pages, and each start of a rank cost ~0.7 s more. A user who set any of these has the
-# allocator as they chose (docs/trainer.md, "Memory").
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": 8 << 20, "MALLOC_TRIM_THRESHOLD_": 16 << 20, "THP_MEM_ALLOC_ENABLE": 1}
-
-
-@contextlib.contextmanager
-def ranks_allocator():
-    """MALLOC_ENV in this process's environment while it starts ranks (read by glibc when a process
-    starts, so the ranks, which inherit it, and not this process); as it was after. A user who set
-    any of the variables has the allocator as they chose."""
-    ours = [] if any(k in os.environ for k in MALLOC_ENV) else list(MALLOC_ENV)
-    os.environ.update({k: str(MALLOC_ENV[k]) for k in ours})
-    try:
-        yield
-    finally:
-        for k in ours:
-            os.environ.pop(k, None)
-
 
 def run_local(fn: Callable, nproc: int, args: tuple = (), stop_grace_s: float = 30.0) -> dict:
     """Run fn(*args) on `nproc` local ranks (torchrun's machinery, in-process); return rank -> result.

@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from minidist.dist import free_port
-from minidist.train.app import ranks_allocator
+from minidist.dist import free_port, ranks_allocator
 from minidist.train.live_recovery import LAUNCHED_AT, healed_since, summarize
 from minidist.train.resilience import read_records
 from minidist.train.run_files import append_file
