@@ -10,13 +10,13 @@ and the folder torch's launcher needs is theirs to remove.
 
 import contextlib
 import functools
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from test_live_recovery import needs_torchft
 from train_cases import ROOT
 
 sys.path.insert(0, str(ROOT / "recipes"))  # the benchmark recipe holds the measurement
@@ -59,6 +59,8 @@ def test_ranks_minidist_starts_give_freed_large_blocks_back(monkeypatch):
 
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+needs_thp = pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(),
+                               reason="transparent huge pages off in this kernel")
 
 
 def assert_huge_pages_for_large_blocks_only(block: int, heap: int) -> None:
@@ -68,7 +70,7 @@ def assert_huge_pages_for_large_blocks_only(block: int, heap: int) -> None:
     assert block >= 8 * 2**20 and heap <= 8 * 2**20, (block / 2**20, heap / 2**20)
 
 
-@pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
+@needs_thp
 def test_ranks_minidist_starts_get_huge_pages_for_large_blocks_only(monkeypatch):
     """The ranks run_local starts (assert_huge_pages_for_large_blocks_only says what and why)."""
     from minidist.dist import MALLOC_ENV
@@ -102,9 +104,8 @@ def one_ft_group(seen: str) -> None:
 
 
 @pytest.mark.slow(stand_in="test_ranks_minidist_starts_get_huge_pages_for_large_blocks_only")  # needs torchft
-@pytest.mark.skipif(not THP.is_file() or "[never]" in THP.read_text(), reason="transparent huge pages off in this kernel")
-@pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="torchft is not installed (the ft extra: "
-                    "pip install -e '.[ft]'; make test-all installs it)")
+@needs_thp
+@needs_torchft
 def test_live_recovery_ranks_get_the_allocator_too(tmp_path):
     """ft=torchft's ranks, forked from one fork server, are given MALLOC_ENV as run_local's are
     (through the fork server's environment); the launcher's own is left as it was. In a fresh
