@@ -140,7 +140,12 @@ def test_the_optimizer_is_the_groups_target_with_its_arguments():
     from minidist.train.optim import optimizer_spec
 
     adamw = OmegaConf.load(CONFIGS / "optim" / "adamw.yaml")
-    assert optimizer_spec(adamw) == (torch.optim.AdamW, {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1})
+    adamw_args = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    # fused: auto takes the fused kernels on CPU and CUDA, where the class has them; false never does
+    assert optimizer_spec(adamw) == (torch.optim.AdamW, {**adamw_args, "fused": True})
+    assert optimizer_spec(OmegaConf.merge(adamw, {"fused": False})) == (torch.optim.AdamW, adamw_args)
     sgd = OmegaConf.load(CONFIGS / "optim" / "sgd.yaml")
-    assert optimizer_spec(sgd, torch.device("cuda")) == (  # fused: auto takes the fused kernels on CUDA
+    assert optimizer_spec(sgd, torch.device("cuda")) == (
         torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "fused": True})
+    rmsprop = OmegaConf.create({"_target_": "torch.optim.RMSprop", "lr": 0.01, "fused": "auto"})
+    assert optimizer_spec(rmsprop) == (torch.optim.RMSprop, {"lr": 0.01})  # no fused kernels: no `fused`

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import math
 from typing import Callable, Iterable
 
@@ -38,8 +39,10 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
 
 def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tuple[type, dict]:
     """(optimizer class, keyword arguments) from the optim config group. `fused: auto` takes the
-    fused kernels on CUDA, where they also skip a non-finite step without a host synchronisation
-    (strategy.step_unless_nonfinite), and the default (foreach) ones elsewhere."""
+    fused kernels wherever the class has them (torch's AdamW, Adam, SGD; MuonWithAdamW's
+    AdamW) on CUDA or CPU: on CUDA they skip a non-finite step without a host synchronisation
+    (strategy.step_unless_nonfinite); on a CPU core AdamW's step takes a fifth of foreach's time
+    (6.5 against 34 ms for 6.3M parameters). Their sums round differently from foreach's (by an ulp)."""
     from omegaconf import OmegaConf
 
     cls = class_named(str(optim_cfg._target_), torch.optim.Optimizer, "optim._target_", "torch.optim.AdamW",
@@ -47,7 +50,8 @@ def optimizer_spec(optim_cfg, device: torch.device = torch.device("cpu")) -> tup
     kwargs = {k: tuple(v) if isinstance(v, list) else v  # betas: a tuple, as torch writes them
               for k, v in OmegaConf.to_container(optim_cfg, resolve=True).items() if k not in NOT_ARGUMENTS}
     fused = optim_cfg.fused
-    if fused == "auto" and device.type == "cuda" or fused is True:
+    has_fused = device.type in ("cuda", "cpu") and "fused" in inspect.signature(cls).parameters
+    if fused is True or fused == "auto" and has_fused:
         kwargs["fused"] = True
     return cls, kwargs
 
