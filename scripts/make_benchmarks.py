@@ -398,15 +398,16 @@ def shm_foreach_values(ddp: dict) -> dict:
     if not SHM_FOREACH.is_file():
         return {"shm_foreach": False}
     old = load_record(SHM_FOREACH)
-    def medians(runs):
-        return statistics.median(x["ratio"] for x in runs), statistics.median(x["step_s"] for x in runs) * 1e3
-    (then_shm, step_shm), (then_gloo, step_gloo) = medians(old["results"]["ddp"]["shm"]), medians(old["results"]["ddp"]["backend"])
-    less_shm, less_gloo = step_shm - medians(ddp["shm"])[1], step_gloo - medians(ddp["backend"])[1]
-    alike = abs(less_shm - less_gloo) <= 0.15 * max(less_shm, less_gloo)
+    then = old["results"]["ddp"]
+    median = lambda runs, key: statistics.median(x[key] for x in runs)  # noqa: E731
+    step = {w: median(then[w], "step_s") * 1e3 for w in ("shm", "backend")}
+    less = {w: step[w] - median(ddp[w], "step_s") * 1e3 for w in ("shm", "backend")}
+    alike = abs(less["shm"] - less["backend"]) <= 0.15 * max(less.values())
     return dict(shm_foreach=True, shm_foreach_when=f"{old['provenance']['date']}, {old['provenance']['commit'][:7]}",
-                shm_foreach_shm=f"{then_shm:.3f}", shm_foreach_gloo=f"{then_gloo:.3f}",
-                shm_foreach_step_shm=f"{step_shm:.1f}", shm_foreach_step_gloo=f"{step_gloo:.1f}",
-                shm_foreach_less_shm=f"{less_shm:.1f}", shm_foreach_less_gloo=f"{less_gloo:.1f}",
+                shm_foreach_shm=f"{median(then['shm'], 'ratio'):.3f}",
+                shm_foreach_gloo=f"{median(then['backend'], 'ratio'):.3f}",
+                shm_foreach_step_shm=f"{step['shm']:.1f}", shm_foreach_step_gloo=f"{step['backend']:.1f}",
+                shm_foreach_less_shm=f"{less['shm']:.1f}", shm_foreach_less_gloo=f"{less['backend']:.1f}",
                 shm_foreach_why="about the same time, work both sides do alike; the ratio with shared memory moved "
                 "because the optimizer's share of the step shrank, not because the all_reduce got faster" if alike else
                 "different times, so more than the optimizer's step changed")
@@ -466,7 +467,8 @@ def shm_values() -> dict:
             f"{zero_then[k]['time_ratio']:.3f}; {'lower' if v['ratio'] < zero_then[k]['time_ratio'] else 'NOT lower'})"
             for k, v in r["zero"].items()]  # ours: the references have no ratio
     return dict(
-        shm=True, **made_by(p, "shm_"), **shm_foreach_values(r["ddp"]), shm_tables="\n\n".join(tables), shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
+        shm=True, **made_by(p, "shm_"), **shm_foreach_values(r["ddp"]), shm_tables="\n\n".join(tables),
+        shm_over_gloo=over_gloo, shm_of_memcpy=of_memcpy,
         shm_inplace=bool(inplace), shm_inplace_over_gloo=inplace_over_gloo, shm_inplace_of_memcpy=inplace_of_memcpy,
         shm_inplace_table=markdown_table(["ranks", "size", "gloo ms", "shm ms", "in place ms", "busbw in place GB/s",
                                           "memcpy GB/s", "gloo / in place [95%]", "in place busbw / memcpy"], inplace),
