@@ -95,6 +95,14 @@ class NativeFSDP(Strategy):
         for _, unit in plan_units(net, trainable, None, int(self.cfg.min_unit_params)):
             fully_shard(unit, **kwargs)
         model = fully_shard(net, **kwargs)
+        if optim_kwargs.get("fused") and not issubclass(optim_cls, (torch.optim.Adam, torch.optim.AdamW)):
+            # DTensor has sharding rules for Adam's and AdamW's fused kernels only (torch 2.14): any
+            # other optimizer over fully_shard's parameters steps with foreach's, and says so
+            import minidist
+
+            minidist.print0(f"{self.name}: {optim_cls.__name__} steps with foreach's kernels, not fused ones "
+                            "(torch's DTensor has no sharding rule for them)")
+            optim_kwargs.pop("fused")
         return model, optim_cls(net.parameters(), **optim_kwargs)
 
     def _mesh_kwargs(self) -> dict:
